@@ -1,0 +1,1 @@
+"""Tandem: LLM serving across heterogeneous hardware."""

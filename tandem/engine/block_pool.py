@@ -1,0 +1,176 @@
+"""Paged KV blocks with prefix reuse.
+
+A full block is identified by a chain hash: the hash of its parent block's hash and its own token ids,
+starting from a fixed seed. Equal prefixes therefore give equal hashes in every process. Blocks no
+request holds stay cached (still findable by hash) in an LRU free queue until they are reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+ROOT_HASH = hashlib.blake2b(b"tandem.kv.v1", digest_size=16).digest()
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chain hash of one full block: deterministic across processes and machines."""
+    tokens = array("q", token_ids)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return hashlib.blake2b(parent_hash + tokens.tobytes(), digest_size=16).digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, limit: int) -> None:
+    """Append the chain hashes of full blocks of ``token_ids`` until ``hashes`` covers ``limit`` blocks."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for index in range(len(hashes), min(limit, len(token_ids) // block_size)):
+        parent = hash_block(parent, token_ids[index * block_size:(index + 1) * block_size])
+        hashes.append(parent)
+
+
+def max_cache_hit_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks a hit may cover: at least one token must be computed so that its logits exist."""
+    return max(0, num_tokens - 1) // block_size
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    """Owns every KV block: reference counts, the prefix-hash index and the LRU free queue.
+
+    Args:
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        on_evict: called with a block hash whenever a cached block is reused for other tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[bytes], None] | None = None):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[bytes, KVBlock] = {}
+        self._on_evict = on_evict
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for block_id in self._free if self.blocks[block_id].block_hash is not None)
+
+    def find_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[KVBlock]:
+        """Longest run of cached blocks matching the prefix, with stored tokens verified. No side effects."""
+        hits: list[KVBlock] = []
+        size = self.block_size
+        for index, block_hash in enumerate(block_hashes):
+            block = self._by_hash.get(block_hash)
+            if block is None or block.token_ids != tuple(token_ids[index * size:(index + 1) * size]):
+                break
+            hits.append(block)
+        return hits
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` the cache would serve now: full blocks, capped so one token is left to compute.
+
+        Read-only and cheap: it hashes the full blocks of the prompt and looks them up.
+        """
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, token_ids, self.block_size, max_cache_hit_blocks(len(token_ids), self.block_size))
+        return len(self.find_cached_blocks(hashes, token_ids)) * self.block_size
+
+    def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_queried_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def num_reclaimable(self, blocks: Sequence[KVBlock]) -> int:
+        """How many free blocks would remain for allocation after taking hold of ``blocks``."""
+        return self.num_free_blocks - sum(1 for block in blocks if block.ref_count == 0)
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cached blocks (removing free ones from the free queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[int] | None:
+        """Take ``num_blocks`` blocks from the head of the free queue, or None if there are too few."""
+        if num_blocks > len(self._free):
+            return None
+        allocated = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            allocated.append(block_id)
+        return allocated
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block, in order: blocks freed first are evicted first.
+
+        A block that holds no reusable content goes to the head of the queue, to be reused before any
+        cached block.
+        """
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Publish a full, computed block under its chain hash. A hash already published keeps its block."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._by_hash:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._by_hash[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block. Only valid while no request holds blocks."""
+        if self.num_used_blocks:
+            raise RuntimeError("cannot reset the prefix cache while blocks are in use")
+        for block in list(self._by_hash.values()):
+            self._evict(block)
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    def _evict(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        del self._by_hash[block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        if self._on_evict is not None:
+            self._on_evict(block_hash)

@@ -1,0 +1,56 @@
+"""Engine configuration: frozen, validated, and independent of any model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine's scheduler.
+
+    Args:
+        max_active_requests: requests in the running batch at once.
+        max_waiting_requests: bound of the waiting queue; a request beyond it is rejected.
+        max_num_batched_tokens: tokens computed in one step (prefill chunks plus decodes).
+        block_size: tokens per KV block.
+    """
+
+    max_active_requests: int = 8
+    max_waiting_requests: int = 256
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        _require_positive("max_active_requests", self.max_active_requests)
+        _require_positive("max_waiting_requests", self.max_waiting_requests)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive("block_size", self.block_size)
+        if self.max_num_batched_tokens < self.max_active_requests:
+            raise ValueError(
+                "max_num_batched_tokens must be at least max_active_requests, "
+                "so that every running request can decode in one step"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Size of the paged KV cache.
+
+    Args:
+        num_kv_blocks: exact number of blocks; when None, ``kv_cache_bytes`` decides.
+        kv_cache_bytes: memory for keys and values of all layers together.
+    """
+
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks is not None:
+            _require_positive("num_kv_blocks", self.num_kv_blocks)
+        _require_positive("kv_cache_bytes", self.kv_cache_bytes)
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,17 @@
+"""Errors the engine raises at its API; the gRPC edge maps each to one status code."""
+
+
+class InvalidRequestError(ValueError):
+    """A request field is invalid. ``field`` names it, as the API spells it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; the request was not accepted."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after a fault and accepts no more work."""

@@ -1,0 +1,32 @@
+"""Build a ready engine from a model name: resolve files, load weights, size the cache, calibrate."""
+
+from __future__ import annotations
+
+from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.model.loader import resolve_model
+from tandem.engine.model.runner import ModelRunner
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, clean_up_tokenization_spaces=False)
+
+
+def build_engine(
+    model: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    scheduler: SchedulerConfig = SchedulerConfig(),
+    cache: CacheConfig = CacheConfig(),
+    max_model_len: int | None = None,
+    calibrate: bool = True,
+) -> LLMEngine:
+    """Load ``model`` (see ``resolve_model``) on ``device`` and return its engine, calibrated by default."""
+    model_dir = resolve_model(model)
+    runner = ModelRunner(model_dir, device, dtype, cache, scheduler.block_size, max_model_len)
+    engine = LLMEngine(runner, load_tokenizer(model_dir), scheduler)
+    if calibrate:
+        engine.calibrate()
+    return engine

@@ -1,0 +1,235 @@
+"""A compact Llama / Qwen2 decoder that runs directly on the paged KV cache.
+
+Why our own module rather than transformers' model with a custom attention function: one engine
+step is a flat batch of tokens from many requests (decodes and prefill chunks together). Here every
+projection is one matrix multiply over all of them, keys and values are written straight into the
+block pool, and attention gathers each request's context from its block table, with no per-request
+cache objects and no padding of the projections. The weights are the Hugging Face checkpoint's,
+loaded by name; numerics follow transformers' implementation (fp32 RMSNorm and rotary tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens go in the cache and what each attends to.
+
+    Decode-like requests (one new token) come first in the flat batch and attend together through a
+    padded gather; each prefill chunk after them attends on its own.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [num_decodes * max_context] context slots, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where attended
+    prefills: list["PrefillChunk"]
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int  # offset of the chunk in the flat batch
+    num_tokens: int
+    context_slots: torch.Tensor | None  # [context_len] slots of the cached prefix + chunk; None when no prefix
+    mask: torch.Tensor | None  # [1, 1, num_tokens, context_len] causal mask with the prefix offset
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_positions, head_dim], computed as transformers computes them."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(_STATIC_ROPE_TYPES)})")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    positions = torch.arange(max_positions, dtype=torch.float)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype=dtype, device=device), (emb.sin() * scaling).to(dtype=dtype, device=device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            n = meta.num_decodes
+            keys = k_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
+            values = v_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
+            out[:n] = F.scaled_dot_product_attention(
+                q[:n].unsqueeze(2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=meta.decode_mask,
+                scale=self.scale,
+                enable_gqa=True,
+            ).squeeze(2)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            if chunk.context_slots is None:
+                keys, values = k[rows], v[rows]
+            else:
+                keys = k_cache.index_select(0, chunk.context_slots)
+                values = v_cache.index_select(0, chunk.context_slots)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=chunk.mask,
+                is_causal=chunk.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            ).squeeze(0).transpose(0, 1)
+        return self.o_proj(out.view(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM over a flat batch of tokens with a paged KV cache."""
+
+    def __init__(self, config):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] for the selected tokens of the flat batch.
+
+        Args:
+            input_ids, positions: [num_tokens] the step's new tokens and their positions.
+            k_cache, v_cache: [num_layers, num_slots, num_kv_heads, head_dim].
+        """
+        x = self.embed_tokens(input_ids)
+        cos = cos_table.index_select(0, positions).unsqueeze(1)
+        sin = sin_table.index_select(0, positions).unsqueeze(1)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[index], v_cache[index], meta)
+        x = self.norm(x.index_select(0, logits_indices))
+        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, weight)
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face checkpoint's tensors, fusing q/k/v and gate/up projections."""
+        state: dict[str, torch.Tensor] = {}
+        prefix = "model."
+        for name, tensor in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name.startswith(prefix):
+                state[name[len(prefix):]] = tensor
+            elif name == "lm_head.weight" and not self.tie_word_embeddings:
+                state[name] = tensor
+        for i in range(len(self.layers)):
+            attn = f"layers.{i}.self_attn."
+            for kind in ("weight", "bias"):
+                parts = [state.pop(f"{attn}{p}_proj.{kind}", None) for p in ("q", "k", "v")]
+                if all(part is not None for part in parts):
+                    state[f"{attn}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+                mlp = f"layers.{i}.mlp."
+                gate, up = state.pop(f"{mlp}gate_proj.{kind}", None), state.pop(f"{mlp}up_proj.{kind}", None)
+                if gate is not None and up is not None:
+                    state[f"{mlp}gate_up_proj.{kind}"] = torch.cat((gate, up), dim=0)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

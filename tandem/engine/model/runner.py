@@ -1,0 +1,181 @@
+"""The model runner: owns the model, the KV cache tensors and the sampler on one device."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import CacheConfig
+from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
+from tandem.engine.model.loader import load_tensors
+from tandem.engine.model.sampler import sample
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
+    """The named dtype, or the device's natural one: bf16 (or fp16) on CUDA, fp16 on MPS, fp32 on CPU."""
+    if dtype not in (None, "", "auto"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+class ModelRunner:
+    """Runs scheduled steps of a Llama-family model over a paged KV cache.
+
+    Args:
+        model_dir: a Hugging Face model directory with safetensors weights.
+        device: a torch device string ("cpu", "cuda", "cuda:1", "mps").
+        dtype: weights and activations; None picks the device's natural dtype.
+        cache: KV cache size.
+        block_size: tokens per KV block (must match the scheduler's).
+        max_model_len: context limit; defaults to the model's ``max_position_embeddings``.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        device: str = "cpu",
+        dtype: str | None = None,
+        cache: CacheConfig = CacheConfig(),
+        block_size: int = 16,
+        max_model_len: int | None = None,
+    ):
+        from transformers import AutoConfig, GenerationConfig
+
+        self.torch_device = torch.device(device)
+        self.device = str(self.torch_device)
+        self.dtype = resolve_dtype(self.torch_device, dtype)
+        self.block_size = block_size
+
+        config = AutoConfig.from_pretrained(model_dir)
+        self.config = config
+        with torch.device("meta"):
+            model = CausalLM(config)
+        model.load_hf_state_dict(load_tensors(model_dir))
+        self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        self.vocab_size = config.vocab_size
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
+
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bytes_per_block = 2 * config.num_hidden_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        self.num_kv_blocks = cache.num_kv_blocks or max(1, cache.kv_cache_bytes // bytes_per_block)
+        shape = (config.num_hidden_layers, self.num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
+        self.cos_table, self.sin_table = rope_tables(config, self.max_model_len, self.dtype, self.torch_device)
+        logger.info(
+            "model %s on %s (%s): %d KV blocks of %d tokens", model_dir, self.device, self.dtype, self.num_kv_blocks, block_size
+        )
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> list[int | None]:
+        items = output.scheduled
+        decodes = [item for item in items if item.num_new_tokens == 1]
+        prefills = [item for item in items if item.num_new_tokens > 1]
+        ordered = decodes + prefills
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: dict[int, int] = {}
+        for item in ordered:
+            request, start, count = item.request, item.start, item.num_new_tokens
+            input_ids.extend(request.token_ids[start:start + count])
+            positions.extend(range(start, start + count))
+            slot_mapping.extend(self._slot(request.block_ids, p) for p in range(start, start + count))
+            if item.samples:
+                sample_rows[id(item)] = len(input_ids) - 1
+
+        device = self.torch_device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            num_decodes=len(decodes),
+            decode_slots=None,
+            decode_mask=None,
+            prefills=[],
+        )
+        if decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
+        token_start = len(decodes)
+        for item in prefills:
+            meta.prefills.append(self._prefill_chunk(item, token_start))
+            token_start += item.num_new_tokens
+
+        sampling_items = [item for item in items if item.samples]
+        if not sampling_items:
+            logits_indices = torch.zeros(0, dtype=torch.long, device=device)
+        else:
+            logits_indices = torch.tensor([sample_rows[id(item)] for item in sampling_items], device=device)
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.k_cache,
+            self.v_cache,
+            meta,
+            logits_indices,
+            self.cos_table,
+            self.sin_table,
+        )
+        tokens = iter(sample(logits, [item.request for item in sampling_items]) if sampling_items else [])
+        return [next(tokens) if item.samples else None for item in items]
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _context_slots(self, block_ids: list[int], length: int) -> torch.Tensor:
+        blocks = torch.tensor(block_ids[: -(-length // self.block_size)], dtype=torch.long)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).view(-1)
+        return slots[:length]
+
+    def _decode_context(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = [item.start + 1 for item in decodes]
+        longest = max(lengths)
+        slots = torch.zeros(len(decodes), longest, dtype=torch.long)
+        for row, (item, length) in enumerate(zip(decodes, lengths)):
+            slots[row, :length] = self._context_slots(item.request.block_ids, length)
+        mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+        device = self.torch_device
+        return slots.view(-1).to(device), mask[:, None, None, :].to(device)
+
+    def _prefill_chunk(self, item: ScheduledRequest, token_start: int) -> PrefillChunk:
+        if item.start == 0:
+            return PrefillChunk(token_start, item.num_new_tokens, None, None)
+        length = item.start + item.num_new_tokens
+        query_positions = torch.arange(item.start, length)
+        mask = torch.arange(length)[None, :] <= query_positions[:, None]
+        device = self.torch_device
+        return PrefillChunk(
+            token_start,
+            item.num_new_tokens,
+            self._context_slots(item.request.block_ids, length).to(device),
+            mask[None, None].to(device),
+        )
+
+
+def _eos_token_ids(config, model_dir: Path, generation_config_cls) -> frozenset[int]:
+    ids: set[int] = set()
+    sources = [config.eos_token_id]
+    try:
+        sources.append(generation_config_cls.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)

@@ -1,0 +1,153 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from tandem.engine.errors import InvalidRequestError
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every finished status sorts after RUNNING."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_LENGTH = 2
+    FINISHED_STOP = 3
+    FINISHED_EOS = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_STOP: FinishReason.STOP,
+    RequestStatus.FINISHED_EOS: FinishReason.EOS,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORTED,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` means greedy.
+
+    Args:
+        temperature: softmax temperature, >= 0.
+        top_p: nucleus mass in (0, 1]; 1 keeps every token.
+        top_k: keep the k most likely tokens; 0 keeps every token.
+        seed: makes sampling reproducible for this request when set.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**63)):
+            raise InvalidRequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation request plus everything the scheduler tracks about it.
+
+    ``token_ids`` holds the prompt followed by the generated tokens; ``num_computed_tokens`` of them
+    have their keys and values in the KV cache.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    cache_estimate_hashes: list[bytes] = field(default_factory=list)
+    num_cached_estimate: int = 0
+    num_published_blocks: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    error: str | None = None
+    sampler_state: object = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def decode_budget(self) -> int:
+        """Tokens this request may still generate."""
+        return self.max_new_tokens - self.num_output_tokens
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Tokens of the current prefill (prompt, or prompt plus outputs after preemption) not yet computed."""
+        return max(0, self.num_prefill_tokens - self.num_computed_tokens)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

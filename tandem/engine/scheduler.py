@@ -1,0 +1,260 @@
+"""Continuous-batching scheduler: FCFS admission, chunked prefill, a per-step token budget, preemption."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.engine.block_pool import BlockPool, extend_block_hashes, max_cache_hit_blocks
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.errors import QueueFullError
+from tandem.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request``, starting at position ``start``, computed this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_decode_requests(self) -> int:
+        return sum(1 for item in self.scheduled if item.num_new_tokens == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled if item.num_new_tokens > 1)
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """The work a scheduler holds, in the units the router's score uses."""
+
+    num_running: int
+    num_waiting: int
+    running_prefill_tokens: int
+    running_decode_budget: int
+    waiting_prefill_tokens: int
+    waiting_decode_budget: int
+    num_kv_blocks: int
+    num_used_blocks: int
+    num_cached_free_blocks: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests are computed.
+
+    Running requests are served first (decodes and unfinished prefill chunks), then waiting requests
+    are admitted in arrival order while slots, token budget and KV blocks allow. When a running
+    request needs a block and none is free, the most recently admitted request is preempted: its
+    blocks are released and it is recomputed later (its cached prefix usually survives).
+    """
+
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(num_kv_blocks, config.block_size, on_evict=self._on_evict)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._estimate_dependents: dict[bytes, set[Request]] = {}
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request and record how much of its prompt the cache holds now.
+
+        Raises:
+            QueueFullError: the waiting queue is at ``max_waiting_requests``.
+        """
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue is full ({self.config.max_waiting_requests} requests); retry later"
+            )
+        self._estimate_cache(request)
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+                index += 1
+
+        while (
+            self.waiting
+            and not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_active_requests
+        ):
+            item = self._admit(self.waiting[0], budget)
+            if item is None:
+                break
+            scheduled.append(item)
+            budget -= item.num_new_tokens
+        return SchedulerOutput(scheduled, preempted)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Account for a finished step and append sampled tokens.
+
+        Args:
+            output: the step's schedule.
+            sampled: per scheduled request, the sampled token, or None where the step did not sample.
+
+        Returns:
+            The requests that received a token and are still running.
+        """
+        updated = []
+        for item, token in zip(output.scheduled, sampled):
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = item.start + item.num_new_tokens
+            self._publish_full_blocks(request)
+            if token is not None:
+                request.token_ids.append(token)
+                updated.append(request)
+        return updated
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request wherever it is and release its blocks."""
+        if request.status.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+            self._forget_estimate(request)
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.status = status
+
+    def load(self) -> SchedulerLoad:
+        return SchedulerLoad(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            running_prefill_tokens=sum(r.prefill_remaining for r in self.running),
+            running_decode_budget=sum(r.decode_budget for r in self.running),
+            waiting_prefill_tokens=sum(r.num_tokens - r.num_cached_estimate for r in self.waiting),
+            waiting_decode_budget=sum(r.decode_budget for r in self.waiting),
+            num_kv_blocks=self.pool.num_blocks,
+            num_used_blocks=self.pool.num_used_blocks,
+            num_cached_free_blocks=self.pool.num_cached_free_blocks,
+            prefix_queried_tokens=self.pool.num_queried_tokens,
+            prefix_hit_tokens=self.pool.num_hit_tokens,
+        )
+
+    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
+        size = self.block_size
+        limit = max_cache_hit_blocks(request.num_tokens, size)
+        extend_block_hashes(request.block_hashes, request.token_ids, size, limit)
+        hits = self.pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)
+        num_cached = len(hits) * size
+        num_new = min(request.num_tokens - num_cached, budget)
+        num_needed = -(-(num_cached + num_new) // size) - len(hits)
+        if num_needed > self.pool.num_reclaimable(hits):
+            return None
+
+        self.waiting.popleft()
+        self._forget_estimate(request)
+        self.pool.touch(hits)
+        request.block_ids = [block.block_id for block in hits] + self.pool.allocate(num_needed)
+        self.pool.record_lookup(request.num_tokens, num_cached)
+        request.num_computed_tokens = num_cached
+        request.num_cached_tokens = num_cached
+        request.num_published_blocks = len(hits)
+        request.num_prefill_tokens = request.num_tokens
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        return ScheduledRequest(request, num_cached, num_new)
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        num_needed = -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids)
+        if num_needed <= 0:
+            return True
+        block_ids = self.pool.allocate(num_needed)
+        if block_ids is None:
+            return False
+        request.block_ids.extend(block_ids)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_published_blocks = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self._estimate_cache(request)
+        self.waiting.appendleft(request)
+
+    def _publish_full_blocks(self, request: Request) -> None:
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_published_blocks:
+            return
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, num_full)
+        size = self.block_size
+        for index in range(request.num_published_blocks, num_full):
+            self.pool.cache_block(
+                request.block_ids[index], request.block_hashes[index], request.token_ids[index * size:(index + 1) * size]
+            )
+        request.num_published_blocks = num_full
+
+    def _estimate_cache(self, request: Request) -> None:
+        limit = max_cache_hit_blocks(request.num_tokens, self.block_size)
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
+        hits = self.pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)
+        request.cache_estimate_hashes = [block.block_hash for block in hits]
+        request.num_cached_estimate = len(hits) * self.block_size
+        for block_hash in request.cache_estimate_hashes:
+            self._estimate_dependents.setdefault(block_hash, set()).add(request)
+
+    def _forget_estimate(self, request: Request) -> None:
+        for block_hash in request.cache_estimate_hashes:
+            dependents = self._estimate_dependents.get(block_hash)
+            if dependents is not None:
+                dependents.discard(request)
+                if not dependents:
+                    del self._estimate_dependents[block_hash]
+        request.cache_estimate_hashes = []
+
+    def _on_evict(self, block_hash: bytes) -> None:
+        """A cached block was reused: waiting requests that counted on it lose it and every block after it."""
+        for request in list(self._estimate_dependents.get(block_hash, ())):
+            kept = request.cache_estimate_hashes[:request.cache_estimate_hashes.index(block_hash)]
+            self._forget_estimate(request)
+            request.cache_estimate_hashes = kept
+            request.num_cached_estimate = len(kept) * self.block_size
+            for kept_hash in kept:
+                self._estimate_dependents.setdefault(kept_hash, set()).add(request)
