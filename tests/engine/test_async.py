@@ -1,0 +1,126 @@
+"""The asyncio front: streaming, cancellation that frees blocks at once, and engine faults."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.engine import AsyncEngine
+from tandem.engine.errors import EngineDeadError
+from tandem.engine.request import FinishReason
+from tests.engine.helpers import assert_no_leaks, greedy_request, hf_greedy, make_engine, random_prompt
+
+
+@pytest.fixture
+async def engine(tiny_llama):
+    running = AsyncEngine(make_engine(tiny_llama))
+    running.start()
+    yield running
+    running.stop()
+
+
+async def collect(engine: AsyncEngine, request):
+    return [output async for output in engine.generate(request)]
+
+
+async def wait_until(predicate, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def test_concurrent_streams_match_reference(engine, tiny_llama):
+    prompts = {f"r{i}": random_prompt(engine.engine, 10 + 7 * i, seed=i) for i in range(5)}
+    results = await asyncio.gather(*(collect(engine, greedy_request(k, p, 20)) for k, p in prompts.items()))
+    for (req_id, prompt), outputs in zip(prompts.items(), results):
+        assert [t for o in outputs for t in o.token_ids] == hf_greedy(tiny_llama, prompt, 20)
+        assert all(len(o.token_ids) == 1 for o in outputs)
+        final = outputs[-1]
+        assert final.finish_reason is FinishReason.LENGTH
+        assert final.stats.num_output_tokens == 20 and final.stats.ttft_s <= final.stats.total_time_s
+    assert_no_leaks(engine.engine)
+
+
+async def test_closing_the_stream_aborts_and_frees_blocks(engine):
+    stream = engine.generate(greedy_request("long", random_prompt(engine.engine, 30, seed=1), 500))
+    first = await stream.__anext__()
+    assert first.token_ids
+    assert engine.state().load.num_used_blocks > 0
+    await stream.aclose()
+    state = engine.state()
+    assert (state.load.num_running, state.load.num_waiting, state.load.num_used_blocks) == (0, 0, 0)
+
+
+async def test_cancelling_the_consumer_task_aborts(engine):
+    async def consume():
+        async for _ in engine.generate(greedy_request("c", random_prompt(engine.engine, 30, seed=2), 500)):
+            pass
+
+    task = asyncio.create_task(consume())
+    await wait_until(lambda: engine.state().load.num_running == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert_no_leaks(engine.engine)
+
+
+async def test_cancellation_storm_leaves_no_state(engine):
+    async def consume(i):
+        count = 0
+        async for _ in engine.generate(greedy_request(f"s{i}", random_prompt(engine.engine, 5 + i, seed=i), 200)):
+            count += 1
+            if count == 1 + i % 7:
+                break
+
+    await asyncio.wait_for(asyncio.gather(*(consume(i) for i in range(40))), timeout=60)
+    await wait_until(lambda: engine.state().load.num_running == 0)
+    assert_no_leaks(engine.engine)
+
+
+async def test_model_fault_fails_every_request_and_marks_unhealthy(tiny_llama):
+    inner = make_engine(tiny_llama)
+    execute = inner.executor.execute
+    calls = {"n": 0}
+
+    def failing_execute(output):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("injected device fault")
+        return execute(output)
+
+    inner.executor.execute = failing_execute
+    engine = AsyncEngine(inner)
+    engine.start()
+    try:
+        prompts = [random_prompt(inner, 12, seed=i) for i in range(4)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(collect(engine, greedy_request(f"f{i}", p, 50)) for i, p in enumerate(prompts))),
+            timeout=30,
+        )
+        for outputs in results:
+            assert outputs[-1].finish_reason is FinishReason.ERROR
+            assert "injected device fault" in outputs[-1].error
+        assert not engine.healthy and not engine.state().healthy
+        with pytest.raises(EngineDeadError):
+            await collect(engine, greedy_request("late", prompts[0], 4))
+        assert inner.scheduler.pool.num_used_blocks == 0
+    finally:
+        engine.stop()
+
+
+def test_detokenizer_handles_multibyte_characters_split_across_tokens(tiny_llama):
+    from tandem.engine.model.factory import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    text = " 你好，世界 🙂🚀 crème brûlée ✨"
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([t]) for t in token_ids]
+    assert any("\ufffd" in piece for piece in pieces), "the text must split characters across tokens"
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer("prompt:", add_special_tokens=False)["input_ids"])
+    deltas = [detokenizer.add_token(t) for t in token_ids]
+    deltas.append(detokenizer.flush())
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in delta for delta in deltas)

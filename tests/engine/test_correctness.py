@@ -1,0 +1,82 @@
+"""Greedy output matches transformers' generate token for token, in every scheduling situation."""
+
+from __future__ import annotations
+
+from tests.engine.helpers import (
+    assert_no_leaks,
+    greedy_request,
+    hf_greedy,
+    make_engine,
+    output_tokens,
+    random_prompt,
+    run_to_completion,
+)
+
+
+def test_concurrent_requests_of_different_lengths_with_chunked_prefill(tiny_model):
+    engine = make_engine(tiny_model, max_num_batched_tokens=32)
+    prompts = {f"r{i}": random_prompt(engine, length, seed=i) for i, length in enumerate((3, 17, 40, 100, 64))}
+    for req_id, prompt in prompts.items():
+        engine.add_request(greedy_request(req_id, prompt, 24))
+    outputs = run_to_completion(engine)
+    for req_id, prompt in prompts.items():
+        assert output_tokens(outputs[req_id]) == hf_greedy(tiny_model, prompt, 24), req_id
+    assert_no_leaks(engine)
+
+
+def test_prefix_hits_reuse_blocks_and_keep_outputs_exact(tiny_model):
+    engine = make_engine(tiny_model)
+    prefix = random_prompt(engine, 48, seed=7)
+    engine.add_request(greedy_request("warm", prefix + [5, 6, 7], 4))
+    run_to_completion(engine)
+
+    prompts = {f"r{i}": prefix + random_prompt(engine, 5 + i, seed=100 + i) for i in range(4)}
+    predicted = {req_id: engine.cached_prefix_len(prompt) for req_id, prompt in prompts.items()}
+    for req_id, prompt in prompts.items():
+        engine.add_request(greedy_request(req_id, prompt, 16))
+    outputs = run_to_completion(engine)
+    for req_id, prompt in prompts.items():
+        final = outputs[req_id][-1]
+        assert predicted[req_id] == 48
+        assert final.stats.num_cached_tokens == predicted[req_id]
+        assert output_tokens(outputs[req_id]) == hf_greedy(tiny_model, prompt, 16), req_id
+    assert_no_leaks(engine)
+
+
+def test_full_prompt_hit_still_computes_last_token(tiny_llama):
+    engine = make_engine(tiny_llama)
+    prompt = random_prompt(engine, 64, seed=3)
+    engine.add_request(greedy_request("first", prompt, 8))
+    first = run_to_completion(engine)["first"]
+    assert engine.cached_prefix_len(prompt) == 48  # capped below len - 1 at a block boundary
+    engine.add_request(greedy_request("again", prompt, 8))
+    again = run_to_completion(engine)["again"]
+    assert again[-1].stats.num_cached_tokens == 48
+    assert output_tokens(again) == output_tokens(first) == hf_greedy(tiny_llama, prompt, 8)
+
+
+def test_eviction_and_preemption_under_memory_pressure_keep_outputs_exact(tiny_model):
+    # 14 blocks of 16 tokens cannot hold four 40-token prompts growing by 48 tokens each.
+    engine = make_engine(tiny_model, num_kv_blocks=14, max_active_requests=4)
+    prompts = {f"r{i}": random_prompt(engine, 40, seed=20 + i) for i in range(4)}
+    for req_id, prompt in prompts.items():
+        engine.add_request(greedy_request(req_id, prompt, 48))
+    outputs = run_to_completion(engine)
+    assert sum(outputs[req_id][-1].stats.num_preemptions for req_id in prompts) > 0
+    for req_id, prompt in prompts.items():
+        assert output_tokens(outputs[req_id]) == hf_greedy(tiny_model, prompt, 48), req_id
+    assert_no_leaks(engine)
+
+
+def test_evicted_prefix_is_recomputed_correctly(tiny_llama):
+    engine = make_engine(tiny_llama, num_kv_blocks=12)
+    prefix = random_prompt(engine, 64, seed=11)
+    engine.add_request(greedy_request("warm", prefix + [9], 4))
+    run_to_completion(engine)
+    assert engine.cached_prefix_len(prefix + [9]) == 64
+    engine.add_request(greedy_request("flood", random_prompt(engine, 150, seed=12), 30))
+    run_to_completion(engine)
+    assert engine.cached_prefix_len(prefix + [9]) < 64
+    engine.add_request(greedy_request("after", prefix + [9], 12))
+    outputs = run_to_completion(engine)
+    assert output_tokens(outputs["after"]) == hf_greedy(tiny_llama, prefix + [9], 12)

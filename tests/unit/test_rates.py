@@ -1,0 +1,138 @@
+"""Unit tests for the step-time model and the rates derived from it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tandem.engine.rates import RateTracker, StepSample
+
+BASE = 0.002
+PER_TOKEN = 1e-5
+PER_DECODE = 3e-4
+GRID = [(p, d) for p in (0, 16, 64, 128, 256) for d in (0, 1, 4, 8) if p or d]
+
+
+def step_time(prefill_tokens: int, decodes: int, base=BASE, per_token=PER_TOKEN, per_decode=PER_DECODE) -> float:
+    return base + per_token * prefill_tokens + per_decode * decodes
+
+
+def sample(prefill_tokens: int, decodes: int, **coefficients) -> StepSample:
+    return StepSample(prefill_tokens, decodes, step_time(prefill_tokens, decodes, **coefficients))
+
+
+def calibrated_tracker(window: int = 256) -> RateTracker:
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=8, window=window)
+    for prefill_tokens, decodes in GRID:
+        tracker.add_calibration(sample(prefill_tokens, decodes))
+    return tracker
+
+
+def assert_coefficients(rates, base, per_token, per_decode, rel=1e-6):
+    assert rates.step_base_s == pytest.approx(base, rel=rel)
+    assert rates.step_per_prefill_token_s == pytest.approx(per_token, rel=rel)
+    assert rates.step_per_decode_s == pytest.approx(per_decode, rel=rel)
+
+
+def test_exact_linear_data_recovers_the_coefficients():
+    rates = calibrated_tracker().rates()
+    assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
+    assert rates.num_calibration_steps == len(GRID)
+    assert rates.num_observed_steps == 0
+    assert (rates.reference_prefill_tokens, rates.reference_decode_batch) == (256, 8)
+
+
+def test_a_minimal_well_posed_calibration_is_enough():
+    tracker = RateTracker(reference_prefill_tokens=128, reference_decode_batch=4)
+    for prefill_tokens, decodes in [(64, 0), (256, 0), (0, 1), (0, 8)]:
+        tracker.add_calibration(sample(prefill_tokens, decodes))
+    assert_coefficients(tracker.rates(), BASE, PER_TOKEN, PER_DECODE)
+
+
+def test_throughputs_follow_the_documented_formulas():
+    rates = calibrated_tracker().rates()
+    assert rates.prefill_tok_s == pytest.approx(256 / (rates.step_base_s + rates.step_per_prefill_token_s * 256))
+    assert rates.decode_tok_s == pytest.approx(8 / (rates.step_base_s + rates.step_per_decode_s * 8))
+    # And so, against the true model:
+    assert rates.prefill_tok_s == pytest.approx(256 / step_time(256, 0), rel=1e-6)
+    assert rates.decode_tok_s == pytest.approx(8 / step_time(0, 8), rel=1e-6)
+
+
+def test_observed_steps_shift_the_fit():
+    tracker = calibrated_tracker()
+    before = tracker.rates()
+    for prefill_tokens, decodes in GRID * 3:
+        tracker.observe(sample(prefill_tokens, decodes, per_token=2 * PER_TOKEN, per_decode=2 * PER_DECODE))
+    after = tracker.rates()
+
+    assert after.num_observed_steps == 3 * len(GRID)
+    assert PER_TOKEN < after.step_per_prefill_token_s < 2 * PER_TOKEN
+    assert PER_DECODE < after.step_per_decode_s < 2 * PER_DECODE
+    assert after.prefill_tok_s < before.prefill_tok_s
+    assert after.decode_tok_s < before.decode_tok_s
+
+
+def test_the_window_bounds_the_observed_steps():
+    window = 4
+    tracker = calibrated_tracker(window=window)
+    for _ in range(50):
+        tracker.observe(sample(128, 4, per_token=10 * PER_TOKEN))
+    assert tracker.rates().num_observed_steps == window
+    assert tracker.rates().step_per_prefill_token_s > PER_TOKEN
+
+    # Once the window holds only steps that agree with calibration, the slow ones have left the fit.
+    for prefill_tokens, decodes in [(16, 1), (64, 4), (128, 8), (256, 0)]:
+        tracker.observe(sample(prefill_tokens, decodes))
+    rates = tracker.rates()
+    assert rates.num_observed_steps == window
+    assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
+
+
+def test_source_names_calibrated_and_observed_steps():
+    tracker = calibrated_tracker(window=3)
+    source = tracker.rates().source
+    assert "calibrated" in source
+    assert str(len(GRID)) in source
+    assert "observed" not in source
+
+    for _ in range(5):
+        tracker.observe(sample(64, 2))
+    source = tracker.rates().source
+    assert "calibrated" in source
+    assert "observed" in source
+    assert "last 3 steps" in source
+
+
+def test_new_calibration_invalidates_the_cached_rates():
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=8)
+    for prefill_tokens, decodes in GRID:
+        tracker.add_calibration(sample(prefill_tokens, decodes, base=10 * BASE))
+    slow = tracker.rates()
+    for prefill_tokens, decodes in GRID * 20:
+        tracker.add_calibration(sample(prefill_tokens, decodes))
+    fast = tracker.rates()
+    assert fast.num_calibration_steps == 21 * len(GRID)
+    assert BASE < fast.step_base_s < slow.step_base_s
+
+
+def test_rates_without_samples_raise():
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=8)
+    assert not tracker.calibrated
+    with pytest.raises(RuntimeError):
+        tracker.rates()
+    tracker.add_calibration(sample(64, 0))
+    assert tracker.calibrated
+
+
+def test_inconsistent_data_never_reports_a_negative_cost():
+    tracker = RateTracker(reference_prefill_tokens=200, reference_decode_batch=8)
+    # More decodes take less time: a plain fit would give a negative per-decode cost.
+    for prefill_tokens, decodes, seconds in [(0, 1, 0.010), (0, 8, 0.005), (100, 0, 0.020), (200, 0, 0.030)]:
+        tracker.add_calibration(StepSample(prefill_tokens, decodes, seconds))
+    rates = tracker.rates()
+    assert rates.step_base_s == pytest.approx(0.005)
+    assert rates.step_per_prefill_token_s >= 0
+    assert rates.step_per_decode_s >= 0
+    assert math.isfinite(rates.prefill_tok_s) and rates.prefill_tok_s > 0
+    assert math.isfinite(rates.decode_tok_s) and rates.decode_tok_s > 0
