@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import random
 import threading
@@ -185,32 +186,38 @@ class LLMEngine:
         self.seq += 1
         return outputs
 
-    def calibrate(self, num_decode_steps: int = 3) -> Rates:
+    def calibrate(self, repeats: int = 3) -> Rates:
         """Measure prefill and decode step times on the real device with synthetic requests.
 
-        The prefix cache is cleared afterwards, so calibration leaves no trace but the rates.
+        Each step shape is measured ``repeats`` times and its fastest time kept, so that a noisy
+        neighbour does not skew the rates. The prefix cache is cleared afterwards: calibration leaves
+        no trace but the rates.
         """
         rng = random.Random(0)
         vocab = self.executor.vocab_size
         budget = self.config.max_num_batched_tokens
         batch = self.config.max_active_requests
+        counter = itertools.count()
 
-        def run(prompt_len: int, num_requests: int, max_new_tokens: int, recorded_steps: range) -> None:
-            for i in range(num_requests):
-                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-                self.add_request(Request(f"calibration-{prompt_len}-{i}", prompt, max_new_tokens, ignore_eos=True))
-            step_index = 0
-            while self.has_work():
-                self._record_step = self.rates.add_calibration if step_index in recorded_steps else _discard
-                self.step()
-                step_index += 1
-            self._record_step = self.rates.observe
+        def measure(prompt_len: int, num_requests: int, step_index: int) -> StepSample:
+            samples: list[StepSample] = []
+            self._record_step = samples.append
+            try:
+                for _ in range(num_requests):
+                    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+                    self.add_request(Request(f"calibration-{next(counter)}", prompt, 2, ignore_eos=True))
+                while self.has_work():
+                    self.step()
+            finally:
+                self._record_step = self.rates.observe
+            return samples[step_index]
 
-        run(min(64, budget), 1, 2, range(0))  # warm-up: first-call allocations are not a rate
-        for chunk in sorted({max(1, budget // 4), max(1, budget // 2), budget}):
-            run(chunk, 1, 1, range(1))
-        run(16, batch, num_decode_steps + 1, range(1, num_decode_steps + 1))
-        run(16, 1, num_decode_steps + 1, range(1, num_decode_steps + 1))
+        measure(min(64, budget), 1, 0)  # warm-up: first-call allocations are not a rate
+        prefill_only, first_decode = 0, 1
+        shapes = [(max(1, budget // 2), 1, prefill_only), (budget, 1, prefill_only), (16, batch, first_decode), (16, 1, first_decode)]
+        for shape in shapes:
+            samples = [measure(*shape) for _ in range(repeats)]
+            self.rates.add_calibration(min(samples, key=lambda sample: sample.seconds))
         self.scheduler.pool.reset_prefix_cache()
         return self.rates.rates()
 
@@ -279,10 +286,6 @@ class LLMEngine:
             total_time_s=now - request.arrival_time,
         )
         return RequestOutput(request.req_id, token_ids, text, request.finish_reason, request.error, stats)
-
-
-def _discard(sample: StepSample) -> None:
-    pass
 
 
 class AsyncEngine:

@@ -14,16 +14,20 @@ from tandem.engine.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """``num_new_tokens`` tokens of ``request``, starting at position ``start``, computed this step."""
+    """``num_new_tokens`` tokens of ``request``, starting at position ``start``, computed this step.
+
+    ``samples`` is True when the step reaches the end of the request's tokens, so a token is sampled.
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> "ScheduledRequest":
+        start = request.num_computed_tokens
+        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append(ScheduledRequest.of(request, num_new))
                 budget -= num_new
                 index += 1
 
@@ -197,7 +201,7 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         self.running.append(request)
-        return ScheduledRequest(request, num_cached, num_new)
+        return ScheduledRequest.of(request, num_new)
 
     def _allocate(self, request: Request, num_new: int) -> bool:
         num_needed = -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids)

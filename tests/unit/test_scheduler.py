@@ -32,8 +32,7 @@ def next_token(request: Request) -> int:
 def step_sampling(scheduler: Scheduler) -> tuple[SchedulerOutput, list[bool]]:
     """One simulated model step; requests that reach ``max_new_tokens`` are finished.
 
-    Also returns each item's ``samples`` flag as it was before the step appended tokens (the flag is
-    computed from the request, whose length the update changes).
+    Also returns each item's ``samples`` flag.
     """
     output = scheduler.schedule()
     samples = [item.samples for item in output.scheduled]

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.models import build_tiny_model
+from tests.engine.models import build_tiny_model
 
 
 @pytest.fixture(scope="session")
