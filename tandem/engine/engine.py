@@ -218,8 +218,12 @@ class LLMEngine:
         for shape in shapes:
             samples = [measure(*shape) for _ in range(repeats)]
             self.rates.add_calibration(min(samples, key=lambda sample: sample.seconds))
-        self.scheduler.pool.reset_prefix_cache()
+        self.reset_prefix_cache()
         return self.rates.rates()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (only while no request holds blocks)."""
+        self.scheduler.pool.reset_prefix_cache()
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         return self.scheduler.pool.cached_prefix_len(token_ids)
@@ -350,6 +354,10 @@ class AsyncEngine:
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         with self._lock:
             return self.engine.cached_prefix_len(token_ids)
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.engine.reset_prefix_cache()
 
     def state(self) -> EngineState:
         with self._lock:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tandem.engine.config import CacheConfig
-from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
+from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, pack_linears_for_cpu, rope_tables
 from tandem.engine.model.loader import load_tensors
 from tandem.engine.model.sampler import sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -65,6 +65,8 @@ class ModelRunner:
             model = CausalLM(config)
         model.load_hf_state_dict(load_tensors(model_dir))
         self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            pack_linears_for_cpu(self.model)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
