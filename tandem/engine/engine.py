@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -299,11 +299,17 @@ class AsyncEngine:
     bookkeeping, never across a model step.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None):
+        """Args:
+            engine: the engine to run.
+            on_failure: called once, from the engine thread, with the reason when a model step fails.
+        """
         self.engine = engine
+        self._on_failure = on_failure
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
@@ -336,6 +342,7 @@ class AsyncEngine:
             self.engine.add_request(request)
             self._streams[request.req_id] = (asyncio.get_running_loop(), queue)
             self._wakeup.notify()
+            self._notify_watchers()
         finished = False
         try:
             while not finished:
@@ -349,7 +356,23 @@ class AsyncEngine:
     def abort(self, req_id: str) -> None:
         with self._lock:
             self._streams.pop(req_id, None)
-            self.engine.abort(req_id)
+            if self.engine.abort(req_id) is not None:
+                self._notify_watchers()
+
+    async def wait_for_change(self, seq: int, timeout: float) -> None:
+        """Return once the state's sequence number differs from ``seq``, or after ``timeout`` seconds."""
+        entry = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            if self.engine.seq != seq:
+                return
+            self._watchers.add(entry)
+        try:
+            await asyncio.wait_for(entry[1].wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._watchers.discard(entry)
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
         with self._lock:
@@ -382,16 +405,28 @@ class AsyncEngine:
                 sampled = self.engine.executor.execute(output)
             except Exception as exc:  # any failure of the model step ends every request with it
                 logger.exception("model step failed; the engine stops")
+                reason = f"model step failed: {type(exc).__name__}: {exc}"
                 with self._lock:
-                    outputs = self.engine.fail_all(f"model step failed: {type(exc).__name__}: {exc}")
+                    outputs = self.engine.fail_all(reason)
                 self._deliver(outputs)
+                if self._on_failure is not None:
+                    self._on_failure(reason)
                 return
             with self._lock:
                 outputs = self.engine.process(output, sampled, time.perf_counter() - start)
             self._deliver(outputs)
 
+    def _notify_watchers(self) -> None:
+        """Wake every ``wait_for_change`` caller. Call with the lock held."""
+        for loop, event in self._watchers:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that watcher's event loop is closed
+                pass
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
+            self._notify_watchers()
             targets = []
             for output in outputs:
                 stream = self._streams.get(output.req_id)

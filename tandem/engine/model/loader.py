@@ -117,3 +117,18 @@ def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     for name in files:
         tensors.update(load_file(model_dir / name))
     return tensors
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """SHA-256 over the weight and tokenizer files, so two workers can tell whether they serve one model."""
+    names = sorted(
+        p.name for p in model_dir.iterdir()
+        if p.suffix == ".safetensors" or p.name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    )
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode() + b"\0")
+        with open(model_dir / name, "rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()

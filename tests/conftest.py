@@ -2,17 +2,21 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.models import build_tiny_model
+
+def _tiny(tmp_path_factory, family: str):
+    from tests.models import build_tiny_model  # imports torch: only for tests that use a model
+
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    return _tiny(tmp_path_factory, "llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+    return _tiny(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

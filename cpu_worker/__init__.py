@@ -1,0 +1,1 @@
+"""Tandem CPU worker: the shared worker service on the CPU, with a pinned thread count."""

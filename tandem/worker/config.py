@@ -1,0 +1,104 @@
+"""Worker settings from flags and TANDEM_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.options import EnvArgumentParser, port_number, positive_float, positive_int
+
+WORKER_KINDS = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process needs to start.
+
+    Args:
+        kind: "cpu" or "gpu", what the worker was deployed as (reported to the router).
+        device: torch device; None lets the worker pick its kind's default.
+    """
+
+    kind: str
+    host: str = "127.0.0.1"
+    port: int = 50061
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    threads: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    drain_grace_s: float = 30.0
+    max_message_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKER_KINDS:
+            raise ValueError(f"kind must be one of {WORKER_KINDS}, got {self.kind!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+
+
+def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog=f"python -m {kind}_worker", description=f"Tandem {kind} worker")
+    parser.add_env_argument("--host", "TANDEM_HOST", "127.0.0.1", help="address to listen on")
+    parser.add_env_argument("--port", "TANDEM_PORT", default_port, type=port_number, help="gRPC port")
+    parser.add_env_argument(
+        "--model", "TANDEM_MODEL", None, help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_env_argument(
+        "--device", "TANDEM_DEVICE", None,
+        help="torch device: cpu, cuda, cuda:N or mps (default: cpu for cpu_worker, cuda or mps for gpu_worker)",
+    )
+    parser.add_env_argument("--dtype", "TANDEM_DTYPE", "auto", choices=["auto", "float32", "float16", "bfloat16"],
+                            help="weights and activations dtype")
+    parser.add_env_argument("--threads", "TANDEM_THREADS", None, type=positive_int,
+                            help="torch CPU threads (default: all cores)")
+    parser.add_env_argument("--max-active", "TANDEM_MAX_ACTIVE", 8, type=positive_int,
+                            help="requests in the running batch at once")
+    parser.add_env_argument("--max-waiting", "TANDEM_MAX_WAITING", 256, type=positive_int,
+                            help="bound of the waiting queue; beyond it requests get RESOURCE_EXHAUSTED")
+    parser.add_env_argument("--max-batched-tokens", "TANDEM_MAX_BATCHED_TOKENS", 512, type=positive_int,
+                            help="tokens computed per engine step (prefill chunk size)")
+    parser.add_env_argument("--block-size", "TANDEM_BLOCK_SIZE", 16, type=positive_int, help="tokens per KV block")
+    parser.add_env_argument("--kv-cache-gib", "TANDEM_KV_CACHE_GIB", 1.0, type=positive_float,
+                            help="KV cache memory in GiB")
+    parser.add_env_argument("--num-kv-blocks", "TANDEM_NUM_KV_BLOCKS", None, type=positive_int,
+                            help="exact number of KV blocks (overrides --kv-cache-gib)")
+    parser.add_env_argument("--drain-grace-s", "TANDEM_DRAIN_GRACE_S", 30.0, type=float,
+                            help="seconds in-flight streams get to finish after SIGTERM")
+    parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", 4 << 20, type=positive_int,
+                            help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED")
+    return parser
+
+
+def parse_config(kind: str, default_port: int, argv: list[str] | None = None) -> WorkerConfig:
+    parser = build_parser(kind, default_port)
+    args = parser.parse_args(argv)
+    try:
+        return WorkerConfig(
+            kind=kind,
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            device=args.device,
+            dtype=None if args.dtype == "auto" else args.dtype,
+            threads=args.threads,
+            scheduler=SchedulerConfig(
+                max_active_requests=args.max_active,
+                max_waiting_requests=args.max_waiting,
+                max_num_batched_tokens=args.max_batched_tokens,
+                block_size=args.block_size,
+            ),
+            cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
+            drain_grace_s=args.drain_grace_s,
+            max_message_bytes=args.max_message_bytes,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,270 @@
+"""The tandem.v1.Worker servicer: converts messages and calls the engine; errors map to status codes here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from tandem.engine.engine import AsyncEngine, EngineState, RequestOutput
+from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tandem.engine.rates import Rates
+from tandem.engine.request import FinishReason, Request, SamplingParams
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MIN_WATCH_INTERVAL_S = 0.01
+MAX_WATCH_INTERVAL_S = 60.0
+WATCH_COALESCE_S = 0.01
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+}
+_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What GetInfo reports besides live state."""
+
+    kind: str
+    model_id: str
+    model_fingerprint: str
+    dtype: str
+    max_waiting_requests: int
+    max_num_batched_tokens: int
+    context_length: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    version: str
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one engine. Until ``attach`` it answers UNAVAILABLE (starting); ``drain`` refuses new work."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.serving_state = common_pb2.SERVING_STATE_STARTING
+        self.engine: AsyncEngine | None = None
+        self.identity: WorkerIdentity | None = None
+        self.tokenizer = None
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def attach(self, engine: AsyncEngine, identity: WorkerIdentity, tokenizer) -> None:
+        self.engine, self.identity, self.tokenizer = engine, identity, tokenizer
+        self.serving_state = common_pb2.SERVING_STATE_SERVING
+
+    def drain(self) -> None:
+        if self.serving_state == common_pb2.SERVING_STATE_SERVING:
+            self.serving_state = common_pb2.SERVING_STATE_DRAINING
+
+    def mark_failed(self) -> None:
+        self.serving_state = common_pb2.SERVING_STATE_FAILED
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no Generate stream is in flight; False if ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine = await self._require_state(context, common_pb2.SERVING_STATE_SERVING)
+        engine_request = await self._to_engine_request(request, context)
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            async for output in engine.generate(engine_request):
+                if output.finish_reason is FinishReason.ERROR:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {output.error}")
+                if output.finish_reason is FinishReason.ABORTED:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished")
+                yield _to_response(engine_request.req_id, output)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineDeadError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {exc}")
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def Estimate(self, request: worker_pb2.EstimateRequest, context: grpc.aio.ServicerContext):
+        engine = await self._require_state(context)
+        cached = engine.cached_prefix_len(list(request.prompt_token_ids))
+        return self._state_message(engine.state(), cached)
+
+    async def WatchState(self, request: worker_pb2.WatchStateRequest, context: grpc.aio.ServicerContext):
+        interval = request.interval_s or 1.0
+        if not math.isfinite(interval) or not MIN_WATCH_INTERVAL_S <= interval <= MAX_WATCH_INTERVAL_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"interval_s: must be 0 or within [{MIN_WATCH_INTERVAL_S}, {MAX_WATCH_INTERVAL_S}], got {interval!r}",
+            )
+        engine = await self._require_state(context)
+        while True:
+            state = engine.state()
+            yield self._state_message(state, 0)
+            await engine.wait_for_change(state.seq, interval)
+            await asyncio.sleep(WATCH_COALESCE_S)
+
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+        engine = await self._require_state(context)
+        identity = self.identity
+        state = engine.state()
+        return worker_pb2.GetInfoResponse(
+            model_id=identity.model_id,
+            model_fingerprint=identity.model_fingerprint,
+            device=state.device,
+            dtype=identity.dtype,
+            kind=_KINDS[identity.kind],
+            max_active_requests=state.max_active_requests,
+            max_waiting_requests=identity.max_waiting_requests,
+            max_num_batched_tokens=identity.max_num_batched_tokens,
+            block_size=state.block_size,
+            kv_blocks_total=state.load.num_kv_blocks,
+            context_length=identity.context_length,
+            vocab_size=identity.vocab_size,
+            eos_token_ids=identity.eos_token_ids,
+            rates=_rates_message(state.rates),
+            version=identity.version,
+        )
+
+    async def _require_state(self, context: grpc.aio.ServicerContext, state: int | None = None) -> AsyncEngine:
+        """The engine, or abort UNAVAILABLE while starting (or, for new work, while not serving)."""
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is starting: the model is loading or calibrating")
+        if state is not None and self.serving_state != state:
+            reason = "draining" if self.serving_state == common_pb2.SERVING_STATE_DRAINING else "failed"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker is {reason} and accepts no new requests")
+        return self.engine
+
+    async def _to_engine_request(self, message: worker_pb2.GenerateRequest, context) -> Request:
+        try:
+            return await self._parse_request(message)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _parse_request(self, message: worker_pb2.GenerateRequest) -> Request:
+        request_id = message.request_id or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+        prompt_kind = message.WhichOneof("prompt")
+        if prompt_kind is None:
+            raise InvalidRequestError("prompt", "set prompt_token_ids or prompt_text")
+        if prompt_kind == "prompt_text":
+            if not message.prompt_text:
+                raise InvalidRequestError("prompt_text", "must not be empty")
+            prompt = await asyncio.to_thread(lambda: list(self.tokenizer(message.prompt_text)["input_ids"]))
+        else:
+            prompt = list(message.prompt_token_ids.ids)
+            if not prompt:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        if len(message.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        for stop in message.stop:
+            if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError("stop", f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        return Request(
+            req_id=request_id,
+            prompt_token_ids=prompt,
+            max_new_tokens=message.max_new_tokens,
+            sampling=_sampling(message),
+            ignore_eos=message.ignore_eos,
+            stop_token_ids=frozenset(message.stop_token_ids),
+            stop_strings=tuple(message.stop),
+        )
+
+    def _state_message(self, state: EngineState, cached_tokens: int) -> common_pb2.BackendState:
+        load = state.load
+        serving_state = self.serving_state if state.healthy else common_pb2.SERVING_STATE_FAILED
+        return common_pb2.BackendState(
+            cached_tokens=cached_tokens,
+            pending_prefill_tokens=state.pending_prefill_tokens,
+            pending_decode_tokens=state.pending_decode_budget,
+            running_prefill_tokens=load.running_prefill_tokens,
+            running_decode_tokens=load.running_decode_budget,
+            waiting_prefill_tokens=load.waiting_prefill_tokens,
+            waiting_decode_tokens=load.waiting_decode_budget,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            max_active_requests=state.max_active_requests,
+            max_waiting_requests=self.identity.max_waiting_requests,
+            kv_blocks_total=load.num_kv_blocks,
+            kv_blocks_used=load.num_used_blocks,
+            kv_blocks_cached=load.num_cached_free_blocks,
+            block_size=state.block_size,
+            prefix_cache_queried_tokens=load.prefix_queried_tokens,
+            prefix_cache_hit_tokens=load.prefix_hit_tokens,
+            rates=_rates_message(state.rates),
+            seq=state.seq,
+            device=state.device,
+            kind=_KINDS[self.kind],
+            serving_state=serving_state,
+            timestamp_s=time.time(),
+        )
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+
+
+def _sampling(message: worker_pb2.GenerateRequest) -> SamplingParams:
+    given = {name: getattr(message.sampling, name) for name in _SAMPLING_FIELDS if message.sampling.HasField(name)}
+    try:
+        return SamplingParams(**given)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
+
+
+def _to_response(request_id: str, output: RequestOutput) -> worker_pb2.GenerateResponse:
+    response = worker_pb2.GenerateResponse(request_id=request_id, token_ids=output.token_ids, text=output.text)
+    if output.finished:
+        stats = output.stats
+        response.result.CopyFrom(
+            worker_pb2.GenerateResult(
+                finish_reason=_FINISH_REASONS[output.finish_reason],
+                usage=common_pb2.Usage(
+                    prompt_tokens=stats.num_prompt_tokens,
+                    cached_tokens=stats.num_cached_tokens,
+                    output_tokens=stats.num_output_tokens,
+                    preemptions=stats.num_preemptions,
+                ),
+                timings=common_pb2.Timings(
+                    queue_time_s=stats.queue_time_s, ttft_s=stats.ttft_s or 0.0, total_time_s=stats.total_time_s
+                ),
+            )
+        )
+    return response
+
+
+def _rates_message(rates: Rates | None) -> common_pb2.Rates | None:
+    if rates is None:
+        return None
+    return common_pb2.Rates(
+        prefill_tokens_per_s=rates.prefill_tok_s,
+        decode_tokens_per_s=rates.decode_tok_s,
+        step_base_s=rates.step_base_s,
+        step_per_prefill_token_s=rates.step_per_prefill_token_s,
+        step_per_decode_s=rates.step_per_decode_s,
+        reference_prefill_tokens=rates.reference_prefill_tokens,
+        reference_decode_batch=rates.reference_decode_batch,
+        calibration_steps=rates.num_calibration_steps,
+        observed_steps=rates.num_observed_steps,
+        source=rates.source,
+    )
