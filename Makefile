@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker clean
 
 setup: $(VENV)/.installed proto model
 
@@ -38,6 +38,9 @@ run: setup
 
 bench-engine: setup
 	$(PY) bench/engine.py
+
+bench-worker: setup
+	$(PY) bench/worker.py
 
 clean:
 	rm -rf $(VENV) tandem/v1 bench/results

@@ -64,6 +64,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, KVBlock] = {}
         self._on_evict = on_evict
+        self._num_cached_free = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -82,7 +83,8 @@ class BlockPool:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for block_id in self._free if self.blocks[block_id].block_hash is not None)
+        """Free blocks that still hold a findable prefix."""
+        return self._num_cached_free
 
     def find_cached_blocks(self, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> list[KVBlock]:
         """Longest run of cached blocks matching the prefix, with stored tokens verified. No side effects."""
@@ -117,6 +119,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_count == 0:
                 del self._free[block.block_id]
+                if block.block_hash is not None:
+                    self._num_cached_free -= 1
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -128,6 +132,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self._num_cached_free -= 1
                 self._evict(block)
             block.ref_count = 1
             allocated.append(block_id)
@@ -148,6 +153,8 @@ class BlockPool:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+                else:
+                    self._num_cached_free += 1
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Publish a full, computed block under its chain hash. A hash already published keeps its block."""
@@ -164,6 +171,7 @@ class BlockPool:
             raise RuntimeError("cannot reset the prefix cache while blocks are in use")
         for block in list(self._by_hash.values()):
             self._evict(block)
+        self._num_cached_free = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 

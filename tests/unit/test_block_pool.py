@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -377,3 +378,31 @@ def test_reset_prefix_cache_forgets_everything_once_idle():
     assert pool.num_free_blocks == 4
     assert pool.cached_prefix_len(tokens + [0]) == 0
     assert (pool.num_queried_tokens, pool.num_hit_tokens) == (0, 0)
+
+
+def test_cached_free_counter_matches_a_full_count_under_random_operations():
+    rng = random.Random(5)
+    pool = BlockPool(num_blocks=24, block_size=4)
+    held: list[list[int]] = []
+    next_token = 0
+    for _ in range(2000):
+        action = rng.random()
+        if action < 0.4:
+            block_ids = pool.allocate(rng.randint(1, 4))
+            if block_ids is not None:
+                for block_id in block_ids:
+                    if rng.random() < 0.7:
+                        tokens = list(range(next_token, next_token + 4))
+                        next_token += 4
+                        pool.cache_block(block_id, hash_block(ROOT_HASH, tokens), tokens)
+                held.append(block_ids)
+        elif action < 0.7 and held:
+            pool.free(list(reversed(held.pop(rng.randrange(len(held))))))
+        else:
+            cached = [b for b in pool.blocks if b.block_hash is not None]
+            if cached:
+                block = rng.choice(cached)
+                pool.touch([block])
+                held.append([block.block_id])
+        brute = sum(1 for b in pool.blocks if b.ref_count == 0 and b.block_hash is not None)
+        assert pool.num_cached_free_blocks == brute

@@ -1,0 +1,97 @@
+"""Worker benchmark: how cheap Estimate is, idle and while the worker decodes a full batch.
+
+Starts a real cpu_worker on 127.0.0.1 with the default model, calls Estimate with a 516-token
+prompt (496 of them cached) N times idle, then N times while 8 requests stream, and writes
+bench/results/worker.json with latency percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tandem.v1 import common_pb2, worker_pb2  # noqa: E402
+from tests.integration.workers import WorkerProcess  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    ordered = sorted(samples_s)
+    pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
+    return {"p50_ms": 1000 * statistics.median(ordered), "p95_ms": 1000 * pick(0.95), "p99_ms": 1000 * pick(0.99),
+            "max_ms": 1000 * ordered[-1]}
+
+
+def time_estimates(stub, prompt: list[int], count: int) -> list[float]:
+    request = worker_pb2.EstimateRequest(prompt_token_ids=prompt)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        state = stub.Estimate(request, timeout=5)
+        samples.append(time.perf_counter() - start)
+    assert state.cached_tokens == 496, state.cached_tokens
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=500)
+    parser.add_argument("--output", type=Path, default=RESULTS / "worker.json")
+    args = parser.parse_args()
+
+    from tandem.engine.model.loader import resolve_model
+
+    model_dir = resolve_model(None)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    worker = WorkerProcess(model_dir, RESULTS / "worker-bench.log")
+    try:
+        worker.wait_for_health()
+        rng = random.Random(0)
+        prefix = [rng.randrange(3, 49152) for _ in range(496)]
+        prompt = prefix + [rng.randrange(3, 49152) for _ in range(20)]
+        greedy = common_pb2.SamplingParams(temperature=0)
+        list(worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + [5]),
+                                                             max_new_tokens=1, sampling=greedy)))
+        idle = time_estimates(worker.stub, prompt, args.count)
+
+        def stream() -> None:
+            suffix = [rng.randrange(3, 49152) for _ in range(20)]
+            request = worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + suffix),
+                                                 max_new_tokens=400, sampling=greedy, ignore_eos=True)
+            for _ in worker.stub.Generate(request, timeout=600):
+                pass
+
+        streams = [threading.Thread(target=stream) for _ in range(8)]
+        for thread in streams:
+            thread.start()
+        time.sleep(1.0)
+        busy = time_estimates(worker.stub, prompt, args.count)
+        running = worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5).num_running
+        for thread in streams:
+            thread.join()
+    finally:
+        worker.terminate()
+    report = {
+        "benchmark": "worker_estimate",
+        "prompt_tokens": 516,
+        "cached_tokens": 496,
+        "calls": args.count,
+        "idle": percentiles(idle),
+        "busy": {**percentiles(busy), "running_requests": running},
+    }
+    args.output.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
