@@ -45,20 +45,53 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class RequestLoad:
+    """One request's remaining work.
+
+    ``prefill_tokens``: for a running request its unfinished prefill; for a waiting one its prompt
+    tokens not covered by the cache estimate made when it was queued (lowered on eviction).
+    """
+
+    req_id: str
+    running: bool
+    prefill_tokens: int
+    decode_budget: int
+
+
+@dataclass(frozen=True)
 class SchedulerLoad:
     """The work a scheduler holds, in the units the router's score uses."""
 
-    num_running: int
-    num_waiting: int
-    running_prefill_tokens: int
-    running_decode_budget: int
-    waiting_prefill_tokens: int
-    waiting_decode_budget: int
+    requests: tuple[RequestLoad, ...]
     num_kv_blocks: int
     num_used_blocks: int
     num_cached_free_blocks: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.requests if r.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.requests if not r.running)
+
+    @property
+    def running_prefill_tokens(self) -> int:
+        return sum(r.prefill_tokens for r in self.requests if r.running)
+
+    @property
+    def running_decode_budget(self) -> int:
+        return sum(r.decode_budget for r in self.requests if r.running)
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return sum(r.prefill_tokens for r in self.requests if not r.running)
+
+    @property
+    def waiting_decode_budget(self) -> int:
+        return sum(r.decode_budget for r in self.requests if not r.running)
 
 
 class Scheduler:
@@ -163,13 +196,12 @@ class Scheduler:
         request.status = status
 
     def load(self) -> SchedulerLoad:
+        running = (RequestLoad(r.req_id, True, r.prefill_remaining, r.decode_budget) for r in self.running)
+        waiting = (
+            RequestLoad(r.req_id, False, r.num_tokens - r.num_cached_estimate, r.decode_budget) for r in self.waiting
+        )
         return SchedulerLoad(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            running_prefill_tokens=sum(r.prefill_remaining for r in self.running),
-            running_decode_budget=sum(r.decode_budget for r in self.running),
-            waiting_prefill_tokens=sum(r.num_tokens - r.num_cached_estimate for r in self.waiting),
-            waiting_decode_budget=sum(r.decode_budget for r in self.waiting),
+            requests=(*running, *waiting),
             num_kv_blocks=self.pool.num_blocks,
             num_used_blocks=self.pool.num_used_blocks,
             num_cached_free_blocks=self.pool.num_cached_free_blocks,

@@ -218,6 +218,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kind=_KINDS[self.kind],
             serving_state=serving_state,
             timestamp_s=time.time(),
+            requests=[
+                common_pb2.RequestLoad(
+                    request_id=r.req_id, running=r.running, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_budget
+                )
+                for r in load.requests
+            ],
         )
 
 

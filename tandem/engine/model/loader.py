@@ -14,8 +14,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -67,6 +65,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> Path:
     """Dequantize ``gguf_file`` into a safetensors model directory at ``target``, once."""
     if (target / "config.json").is_file():
         return target
+    import torch
     from filelock import FileLock
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,7 +101,7 @@ def _download_from_hub(repo_id: str) -> Path:
         ) from exc
 
 
-def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_tensors(model_dir: Path) -> dict:
     """Every tensor of the checkpoint in ``model_dir`` (single or sharded safetensors)."""
     from safetensors.torch import load_file
 
@@ -113,7 +112,7 @@ def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
         files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict = {}
     for name in files:
         tensors.update(load_file(model_dir / name))
     return tensors

@@ -1,0 +1,1 @@
+"""Tandem router: sends each whole request to the worker where it should finish soonest."""

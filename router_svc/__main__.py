@@ -1,0 +1,80 @@
+"""python -m router_svc: the Tandem router."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router_svc.backends import BackendRegistry
+from router_svc.config import RouterConfig, parse_config
+from router_svc.servicer import RouterServicer
+from tandem.v1 import router_pb2, router_pb2_grpc
+
+logger = logging.getLogger("router_svc")
+
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+HEALTH_POLL_S = 0.25
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set or SIGTERM/SIGINT arrives. Health is SERVING while any worker is healthy."""
+    from tandem.engine.model.factory import load_tokenizer
+    from tandem.engine.model.loader import resolve_model
+
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(config.model)))
+    registry = BackendRegistry(list(config.workers))
+    server = grpc.aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(
+        RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (ROUTER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    registry.start()
+    await server.start()
+    logger.info("router listening on %s, policy %s, workers: %s", address, config.policy,
+                ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
+
+    serving = None
+    while not stop.is_set():
+        now_serving = bool(registry.healthy())
+        if now_serving != serving:
+            status = health_pb2.HealthCheckResponse.SERVING if now_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for service in ("", ROUTER_SERVICE):
+                await health_servicer.set(service, status)
+            serving = now_serving
+        try:
+            await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
+        except TimeoutError:
+            pass
+
+    logger.info("stopping: in-flight streams get 5 s to finish")
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5.0)
+    await registry.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(parse_config(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The workers as the router sees them: connection, health, latest state, and in-flight credit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router_svc.policy import QueuedWork, WorkerView
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5
+BACKOFF_INITIAL_S = 0.1
+BACKOFF_MAX_S = 5.0
+_SPEC = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<kind>cpu|gpu)@(?P<host>[^:@]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    name: str
+    kind: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, spec: str) -> "WorkerAddress":
+        """Parse ``NAME=KIND@HOST:PORT`` (KIND is cpu or gpu)."""
+        match = _SPEC.match(spec.strip())
+        if match is None or not 0 < int(match["port"]) < 65536:
+            raise ValueError(f"worker {spec!r}: expected NAME=KIND@HOST:PORT with KIND cpu or gpu")
+        return cls(match["name"], match["kind"], match["host"], int(match["port"]))
+
+
+@dataclass
+class Credit:
+    """A request the router sent to a worker, counted until the worker's reports show it."""
+
+    request_id: str
+    prefill_tokens: int
+    decode_tokens: int
+
+
+class Backend:
+    """One worker: a channel, a WatchState subscription with reconnection, and the router's accounting."""
+
+    def __init__(self, address: WorkerAddress, registry: "BackendRegistry"):
+        self.address = address
+        self.name = address.name
+        self.kind = address.kind
+        self._registry = registry
+        self.channel = grpc.aio.insecure_channel(address.address)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: worker_pb2.GetInfoResponse | None = None
+        self.state: common_pb2.BackendState | None = None
+        self.connected = False
+        self.status = "connecting"
+        self.credits: dict[str, Credit] = {}
+        self.routed_requests = 0
+        self.failed_requests = 0
+
+    @property
+    def healthy(self) -> bool:
+        return (
+            self.connected
+            and self.info is not None
+            and self._registry.fingerprint_matches(self)
+            and self.state is not None
+            and self.state.serving_state == common_pb2.SERVING_STATE_SERVING
+        )
+
+    def describe(self) -> str:
+        if self.healthy:
+            return "serving"
+        if self.connected and self.info is not None and not self._registry.fingerprint_matches(self):
+            return "refused: serves a different model (fingerprint mismatch)"
+        if self.connected and self.state is not None:
+            return common_pb2.ServingState.Name(self.state.serving_state).removeprefix("SERVING_STATE_").lower()
+        return self.status
+
+    def dispatch(self, request_id: str, prefill_tokens: int, decode_tokens: int) -> None:
+        self.credits[request_id] = Credit(request_id, prefill_tokens, decode_tokens)
+        self.routed_requests += 1
+
+    def release(self, request_id: str) -> None:
+        self.credits.pop(request_id, None)
+
+    def view(self, estimate: common_pb2.BackendState | None) -> WorkerView:
+        """This worker's view for a policy: the fresh estimate (or the latest snapshot) plus credit."""
+        state = estimate if estimate is not None else self.state
+        visible = {r.request_id for r in state.requests}
+        credited = [c for c in self.credits.values() if c.request_id not in visible]
+        queue = tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens) for r in state.requests)
+        queue += tuple(QueuedWork(False, c.prefill_tokens, c.decode_tokens) for c in credited)
+        rates = state.rates
+        return WorkerView(
+            name=self.name,
+            kind=self.kind,
+            cached_tokens=estimate.cached_tokens if estimate is not None else 0,
+            pending_prefill_tokens=state.pending_prefill_tokens + sum(c.prefill_tokens for c in credited),
+            pending_decode_tokens=state.pending_decode_tokens + sum(c.decode_tokens for c in credited),
+            num_running=state.num_running,
+            num_waiting=state.num_waiting + len(credited),
+            max_active_requests=state.max_active_requests,
+            prefill_tok_s=rates.prefill_tokens_per_s,
+            decode_tok_s=rates.decode_tokens_per_s,
+            step_base_s=rates.step_base_s,
+            step_per_prefill_token_s=rates.step_per_prefill_token_s,
+            step_per_decode_s=rates.step_per_decode_s,
+            max_num_batched_tokens=self.info.max_num_batched_tokens,
+            queue=queue,
+            inflight_requests=len(credited),
+            device=state.device,
+            state_source="estimate" if estimate is not None else "snapshot",
+        )
+
+    async def estimate(self, prompt_token_ids: list[int], deadline_s: float) -> common_pb2.BackendState | None:
+        """A fresh Estimate, or None if the worker did not answer within ``deadline_s``."""
+        try:
+            state = await self.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=prompt_token_ids), timeout=deadline_s)
+        except grpc.aio.AioRpcError:
+            return None
+        self._update(state)
+        return state
+
+    def _update(self, state: common_pb2.BackendState) -> None:
+        if self.state is None or state.seq >= self.state.seq:
+            self.state = state
+
+    async def watch(self) -> None:
+        """Keep ``info`` and ``state`` current; reconnect with exponential backoff, forever."""
+        backoff = BACKOFF_INITIAL_S
+        while True:
+            try:
+                health = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                if health.status != health_pb2.HealthCheckResponse.SERVING:
+                    self.status = "not serving yet"
+                    raise _Retry
+                self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+                self._registry.register_fingerprint(self)
+                self.state = None  # a restarted worker counts its sequence numbers from the start again
+                async for state in self.stub.WatchState(worker_pb2.WatchStateRequest(interval_s=WATCH_INTERVAL_S)):
+                    if not self.connected:
+                        logger.info("worker %s at %s connected (%s)", self.name, self.address.address, state.device)
+                    self._update(state)
+                    self.connected = True
+                    backoff = BACKOFF_INITIAL_S
+            except asyncio.CancelledError:
+                raise
+            except _Retry:
+                pass
+            except grpc.aio.AioRpcError as exc:
+                self.status = f"unreachable: {exc.code().name}"
+            if self.connected:
+                logger.warning("worker %s at %s lost (%s)", self.name, self.address.address, self.status)
+            self.connected = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
+class _Retry(Exception):
+    pass
+
+
+class BackendRegistry:
+    """All configured workers. The first model fingerprint seen is the reference; others must match it."""
+
+    def __init__(self, addresses: list[WorkerAddress]):
+        names = [a.name for a in addresses]
+        if len(set(names)) != len(names):
+            raise ValueError(f"worker names must be unique: {names}")
+        self.backends = {address.name: Backend(address, self) for address in addresses}
+        self.reference_fingerprint: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(b.watch(), name=f"watch-{b.name}") for b in self.backends.values()]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(b.channel.close() for b in self.backends.values()))
+
+    def register_fingerprint(self, backend: Backend) -> None:
+        fingerprint = backend.info.model_fingerprint
+        if self.reference_fingerprint is None:
+            self.reference_fingerprint = fingerprint
+        elif fingerprint != self.reference_fingerprint:
+            logger.error("worker %s serves a different model (fingerprint %s, expected %s); not routing to it",
+                         backend.name, fingerprint[:12], self.reference_fingerprint[:12])
+
+    def fingerprint_matches(self, backend: Backend) -> bool:
+        return backend.info is not None and backend.info.model_fingerprint == self.reference_fingerprint
+
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends.values() if b.healthy]
+
+    def any_info(self) -> worker_pb2.GetInfoResponse | None:
+        return next((b.info for b in self.backends.values() if b.healthy), None)

@@ -1,0 +1,183 @@
+"""Routing policies: pure functions of the workers' views plus the request.
+
+Each policy scores every eligible worker (lower is better) and picks the minimum; ties go to the
+faster worker (higher decode rate, then higher prefill rate), then to the name for determinism.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class QueuedWork:
+    """One request's remaining work on a worker (as reported, or credited by the router)."""
+
+    running: bool
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What the router knows about one worker when it decides.
+
+    ``pending_*`` and ``queue`` include in-flight credit: requests the router dispatched that the
+    worker's report does not show yet. ``step_*`` is the worker's fitted step-time model.
+    """
+
+    name: str
+    kind: str
+    cached_tokens: int
+    pending_prefill_tokens: int
+    pending_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    max_active_requests: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    step_base_s: float = 0.0
+    step_per_prefill_token_s: float = 0.0
+    step_per_decode_s: float = 0.0
+    max_num_batched_tokens: int = 512
+    queue: tuple[QueuedWork, ...] = ()
+    inflight_requests: int = 0
+    device: str = ""
+    state_source: str = "estimate"
+
+
+@dataclass(frozen=True)
+class RouteInput:
+    prompt_tokens: int
+    max_new_tokens: int
+    sequence: int = 0  # how many requests the router routed before this one (round_robin)
+
+
+@dataclass(frozen=True)
+class Score:
+    worker: str
+    score: float
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    policy: str
+    chosen: str
+    scores: tuple[Score, ...] = field(default_factory=tuple)
+
+
+def cost_score(view: WorkerView, request: RouteInput) -> Score:
+    """The article's score: remaining prefill / prefill rate + remaining decode budget / decode rate."""
+    prefill_tokens = view.pending_prefill_tokens + max(0, request.prompt_tokens - view.cached_tokens)
+    decode_tokens = view.pending_decode_tokens + request.max_new_tokens
+    prefill_s = prefill_tokens / view.prefill_tok_s
+    decode_s = decode_tokens / view.decode_tok_s
+    return Score(view.name, prefill_s + decode_s, prefill_s, decode_s)
+
+
+def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
+    """Predicted seconds until the new request finishes on this worker.
+
+    Plays the worker's queue forward with its slots (``max_active_requests``), its per-step token
+    budget and its step-time model: a step costs base + per_prefill_token * prefill tokens +
+    per_decode * decoding requests. Unlike the cost score, this sees the wait for a free slot and
+    that a batch decodes in parallel. Remaining budgets are upper bounds (max_new_tokens).
+    """
+    slots = max(1, view.max_active_requests)
+    chunk_limit = max(1, view.max_num_batched_tokens)
+    running = [[w.prefill_tokens, w.decode_tokens] for w in view.queue if w.running]
+    waiting = [[w.prefill_tokens, w.decode_tokens] for w in view.queue if not w.running]
+    target = [max(1, request.prompt_tokens - view.cached_tokens), request.max_new_tokens]
+    waiting.append(target)
+    clock = 0.0
+    while True:
+        while waiting and len(running) < slots:
+            running.append(waiting.pop(0))
+        if all(work[0] == 0 for work in running):
+            steps = min(work[1] for work in running)  # only decodes: jump to the next completion
+            clock += steps * (view.step_base_s + view.step_per_decode_s * len(running))
+            for work in running:
+                work[1] -= steps
+        else:
+            budget, prefill_tokens, decodes = chunk_limit, 0, 0
+            for work in running:
+                if work[0] == 0:
+                    decodes += 1
+                    work[1] -= 1
+                elif budget > 0:
+                    chunk = min(work[0], budget)
+                    budget -= chunk
+                    prefill_tokens += chunk
+                    work[0] -= chunk
+                    if work[0] == 0:
+                        work[1] -= 1  # the last prefill chunk samples the first token
+            clock += view.step_base_s + view.step_per_prefill_token_s * prefill_tokens + view.step_per_decode_s * decodes
+        if target[1] <= 0:
+            return Score(view.name, clock)
+        running = [work for work in running if work[1] > 0]
+
+
+def least_loaded_score(view: WorkerView, request: RouteInput) -> Score:
+    return Score(view.name, float(view.num_running + view.num_waiting + view.inflight_requests))
+
+
+def cache_aware_score(view: WorkerView, request: RouteInput) -> Score:
+    """Most cached prompt tokens wins; among equal hits the cost score decides."""
+    return Score(view.name, -view.cached_tokens + cost_score(view, request).score / 1e6)
+
+
+def gpu_only_score(view: WorkerView, request: RouteInput) -> Score:
+    """GPU workers only (the baseline without offload); among them the cost score decides."""
+    if view.kind != "gpu":
+        return Score(view.name, math.inf)
+    return cost_score(view, request)
+
+
+def _faster_first(view: WorkerView) -> tuple:
+    return (-view.decode_tok_s, -view.prefill_tok_s, view.name)
+
+
+def _choose(policy: str, views: Sequence[WorkerView], scores: list[Score]) -> Decision:
+    by_name = {view.name: view for view in views}
+    ranked = sorted(scores, key=lambda s: (s.score, *_faster_first(by_name[s.worker])))
+    finite = [s for s in ranked if math.isfinite(s.score)]
+    if not finite:
+        raise NoEligibleWorker(f"policy {policy} found no eligible worker")
+    return Decision(policy, finite[0].worker, tuple(ranked))
+
+
+def _scored(policy: str, score: Callable[[WorkerView, RouteInput], Score]):
+    def decide(views: Sequence[WorkerView], request: RouteInput) -> Decision:
+        if not views:
+            raise NoEligibleWorker("no healthy worker")
+        return _choose(policy, views, [score(view, request) for view in views])
+
+    return decide
+
+
+def round_robin(views: Sequence[WorkerView], request: RouteInput) -> Decision:
+    if not views:
+        raise NoEligibleWorker("no healthy worker")
+    ordered = sorted(views, key=lambda v: v.name)
+    chosen = ordered[request.sequence % len(ordered)].name
+    scores = tuple(Score(v.name, 0.0 if v.name == chosen else 1.0) for v in ordered)
+    return Decision("round_robin", chosen, tuple(sorted(scores, key=lambda s: s.score)))
+
+
+class NoEligibleWorker(RuntimeError):
+    """No worker can take the request under this policy."""
+
+
+POLICIES: dict[str, Callable[[Sequence[WorkerView], RouteInput], Decision]] = {
+    "cost": _scored("cost", cost_score),
+    "finish_time": _scored("finish_time", finish_time_score),
+    "round_robin": round_robin,
+    "least_loaded": _scored("least_loaded", least_loaded_score),
+    "cache_aware": _scored("cache_aware", cache_aware_score),
+    "gpu_only": _scored("gpu_only", gpu_only_score),
+}
+DEFAULT_POLICY = "cost"

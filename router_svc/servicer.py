@@ -1,0 +1,234 @@
+"""The tandem.v1.Router servicer: tokenize once, decide, proxy the worker's stream, fail over."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from router_svc.backends import Backend, BackendRegistry
+from router_svc.policy import POLICIES, Decision, NoEligibleWorker, RouteInput, WorkerView
+from tandem.engine.errors import InvalidRequestError
+from tandem.engine.request import SamplingParams
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+
+logger = logging.getLogger(__name__)
+decision_log = logging.getLogger("tandem.router.decisions")
+
+_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+_CHAT_ROLES = ("system", "user", "assistant")
+# Worker errors after which another worker may well succeed.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request_id: str
+    prompt_token_ids: list[int]
+    policy: str
+    worker_request: worker_pb2.GenerateRequest
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.worker_request.max_new_tokens
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, registry: BackendRegistry, tokenizer, default_policy: str, probe_deadline_s: float):
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.default_policy = default_policy
+        self.probe_deadline_s = probe_deadline_s
+        self._sequence = 0
+
+    async def Generate(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext):
+        prepared = await self._prepare(request, context)
+        failed: list[str] = []
+        errors: dict[str, str] = {}
+        while True:
+            decision, message = await self._decide(prepared, context, exclude=failed, errors=errors)
+            backend = self.registry.backends[decision.chosen]
+            self._sequence += 1
+            backend.dispatch(prepared.request_id, _uncached(message, decision.chosen, prepared), prepared.max_new_tokens)
+            _log_decision(prepared.request_id, message)
+            yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
+
+            call = backend.stub.Generate(prepared.worker_request, timeout=context.time_remaining())
+            streamed = 0
+            try:
+                async for response in call:
+                    streamed += len(response.token_ids)
+                    yield router_pb2.RouteResponse(
+                        request_id=prepared.request_id, token_ids=response.token_ids, text=response.text,
+                        result=response.result if response.HasField("result") else None, worker=backend.name,
+                    )
+                return
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details()
+            finally:
+                call.cancel()  # leaving the loop does not cancel a grpc.aio call
+                backend.release(prepared.request_id)
+
+            backend.failed_requests += 1
+            if streamed or code not in _RETRYABLE:
+                if streamed:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"worker {backend.name} failed after streaming {streamed} tokens ({code.name}: {details}); "
+                        "the output is incomplete",
+                    )
+                await context.abort(code, details)
+            logger.warning("worker %s failed before the first token (%s: %s); failing over", backend.name, code.name, details)
+            failed.append(backend.name)
+            errors[backend.name] = f"{code.name}: {details}"
+
+    async def Explain(self, request: router_pb2.ExplainRequest, context: grpc.aio.ServicerContext):
+        prepared = await self._prepare(request.request, context)
+        _, message = await self._decide(prepared, context, exclude=[], errors={})
+        return router_pb2.ExplainResponse(decision=message)
+
+    async def ListBackends(self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext):
+        return router_pb2.ListBackendsResponse(backends=[_backend_message(b) for b in self.registry.backends.values()])
+
+    async def _decide(self, prepared: Prepared, context, exclude: list[str], errors: dict[str, str]):
+        candidates = [b for b in self.registry.healthy() if b.name not in exclude]
+        estimates = await asyncio.gather(*(b.estimate(prepared.prompt_token_ids, self.probe_deadline_s) for b in candidates))
+        views = [
+            b.view(estimate) for b, estimate in zip(candidates, estimates)
+            if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING
+        ]
+        try:
+            decision = POLICIES[prepared.policy](
+                views, RouteInput(prepared.prompt_tokens, prepared.max_new_tokens, self._sequence)
+            )
+        except NoEligibleWorker as exc:
+            states = ", ".join(f"{b.name} ({errors.get(b.name) or b.describe()})" for b in self.registry.backends.values())
+            code = grpc.StatusCode.UNAVAILABLE
+            if errors and all(e.startswith("RESOURCE_EXHAUSTED") for e in errors.values()):
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, f"{exc}; workers: {states}")
+        return decision, self._decision_message(prepared, decision, views, exclude, errors)
+
+    def _decision_message(self, prepared: Prepared, decision: Decision, views: list[WorkerView],
+                          exclude: list[str], errors: dict[str, str]) -> router_pb2.RoutingDecision:
+        by_name = {view.name: view for view in views}
+        scores = []
+        for score in decision.scores:
+            view = by_name[score.worker]
+            eligible = math.isfinite(score.score)
+            scores.append(router_pb2.WorkerScore(
+                worker=view.name, kind=_KINDS[view.kind], device=view.device, eligible=eligible,
+                reason="" if eligible else f"excluded by policy {decision.policy}",
+                score_s=score.score if eligible else 0.0, cached_tokens=view.cached_tokens,
+                pending_prefill_tokens=view.pending_prefill_tokens, pending_decode_tokens=view.pending_decode_tokens,
+                inflight_requests=view.inflight_requests, num_running=view.num_running, num_waiting=view.num_waiting,
+                prefill_tokens_per_s=view.prefill_tok_s, decode_tokens_per_s=view.decode_tok_s,
+                prefill_s=score.prefill_s, decode_s=score.decode_s, state_source=view.state_source,
+            ))
+        for backend in self.registry.backends.values():
+            if backend.name not in by_name:
+                reason = errors.get(backend.name) or ("failed" if backend.name in exclude else backend.describe())
+                scores.append(router_pb2.WorkerScore(worker=backend.name, kind=_KINDS[backend.kind], eligible=False,
+                                                     reason=reason))
+        return router_pb2.RoutingDecision(
+            policy=decision.policy, chosen_worker=decision.chosen, prompt_tokens=prepared.prompt_tokens,
+            max_new_tokens=prepared.max_new_tokens, scores=scores, failed_workers=exclude,
+        )
+
+    async def _prepare(self, message: router_pb2.RouteRequest, context) -> Prepared:
+        try:
+            return await self._parse(message)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _parse(self, message: router_pb2.RouteRequest) -> Prepared:
+        policy = message.policy or self.default_policy
+        if policy not in POLICIES:
+            raise InvalidRequestError("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if message.max_new_tokens <= 0:
+            raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {message.max_new_tokens}")
+        given = {name: getattr(message.sampling, name) for name in _SAMPLING_FIELDS if message.sampling.HasField(name)}
+        try:
+            SamplingParams(**given)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
+        prompt = await self._tokenize(message)
+        request_id = message.request_id or uuid.uuid4().hex
+        worker_request = worker_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt),
+            max_new_tokens=message.max_new_tokens, sampling=message.sampling if message.HasField("sampling") else None,
+            stop=message.stop, stop_token_ids=message.stop_token_ids, ignore_eos=message.ignore_eos,
+        )
+        return Prepared(request_id, prompt, policy, worker_request)
+
+    async def _tokenize(self, message: router_pb2.RouteRequest) -> list[int]:
+        kind = message.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequestError("prompt", "set prompt_token_ids, prompt_text or chat")
+        if kind == "prompt_token_ids":
+            if not message.prompt_token_ids.ids:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            return list(message.prompt_token_ids.ids)
+        if kind == "prompt_text":
+            if not message.prompt_text:
+                raise InvalidRequestError("prompt_text", "must not be empty")
+            return await asyncio.to_thread(lambda: list(self.tokenizer(message.prompt_text)["input_ids"]))
+        if not message.chat.messages:
+            raise InvalidRequestError("chat.messages", "must not be empty")
+        for index, chat_message in enumerate(message.chat.messages):
+            if chat_message.role not in _CHAT_ROLES:
+                raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {', '.join(_CHAT_ROLES)}")
+        conversation = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+        return await asyncio.to_thread(
+            lambda: list(self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
+        )
+
+
+def _uncached(message: router_pb2.RoutingDecision, worker: str, prepared: Prepared) -> int:
+    cached = next(s.cached_tokens for s in message.scores if s.worker == worker)
+    return max(0, prepared.prompt_tokens - cached)
+
+
+def _log_decision(request_id: str, message: router_pb2.RoutingDecision) -> None:
+    decision_log.info(json.dumps({
+        "event": "route",
+        "request_id": request_id,
+        "policy": message.policy,
+        "chosen": message.chosen_worker,
+        "prompt_tokens": message.prompt_tokens,
+        "max_new_tokens": message.max_new_tokens,
+        "failed_workers": list(message.failed_workers),
+        "scores": [
+            {
+                "worker": s.worker, "eligible": s.eligible, "reason": s.reason, "score_s": s.score_s,
+                "cached_tokens": s.cached_tokens, "pending_prefill_tokens": s.pending_prefill_tokens,
+                "pending_decode_tokens": s.pending_decode_tokens, "inflight_requests": s.inflight_requests,
+                "prefill_tokens_per_s": s.prefill_tokens_per_s, "decode_tokens_per_s": s.decode_tokens_per_s,
+                "prefill_s": s.prefill_s, "decode_s": s.decode_s, "state_source": s.state_source,
+            }
+            for s in message.scores
+        ],
+    }))
+
+
+def _backend_message(backend: Backend) -> router_pb2.Backend:
+    info = backend.info
+    return router_pb2.Backend(
+        name=backend.name, address=backend.address.address, kind=_KINDS[backend.kind],
+        device=backend.state.device if backend.state is not None else (info.device if info else ""),
+        healthy=backend.healthy, status=backend.describe(), state=backend.state,
+        model_fingerprint=info.model_fingerprint if info else "", routed_requests=backend.routed_requests,
+        inflight_requests=len(backend.credits), failed_requests=backend.failed_requests,
+    )
