@@ -103,15 +103,21 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
             for work in running:
                 work[1] -= steps
         else:
+            # As the worker's scheduler: running requests in order, each taking its tokens (1 for a
+            # decode) from the step's token budget until it runs out. One-token items cost as decodes.
             budget, prefill_tokens, decodes = chunk_limit, 0, 0
             for work in running:
-                if work[0] == 0:
+                if budget == 0:
+                    break
+                chunk = 1 if work[0] == 0 else min(work[0], budget)
+                budget -= chunk
+                if chunk == 1:
                     decodes += 1
-                    work[1] -= 1
-                elif budget > 0:
-                    chunk = min(work[0], budget)
-                    budget -= chunk
+                else:
                     prefill_tokens += chunk
+                if work[0] == 0:
+                    work[1] -= 1
+                else:
                     work[0] -= chunk
                     if work[0] == 0:
                         work[1] -= 1  # the last prefill chunk samples the first token

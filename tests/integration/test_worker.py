@@ -199,8 +199,7 @@ def test_pending_budgets_move_as_requests_queue_run_and_finish(single_slot_worke
         generate(worker.stub, **request)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    later = estimate(worker)
-    assert later.running_decode_tokens < state.running_decode_tokens
+    wait_until(lambda: estimate(worker).running_decode_tokens < state.running_decode_tokens)
     first.cancel()
     state = wait_until(lambda: (s := estimate(worker)).num_waiting == 0 and s.num_running == 1 and s)
     assert state.waiting_decode_tokens == 0 and state.running_decode_tokens <= 900
