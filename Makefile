@@ -34,7 +34,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not model and not slow"
 
 run: setup
-	$(PY) -m tandem.cli generate --chat "$${PROMPT:-Explain in two sentences why a CPU can help a busy GPU serve LLM requests.}"
+	$(PY) -m tandem.cli up
 
 bench-engine: setup
 	$(PY) bench/engine.py

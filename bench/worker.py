@@ -11,18 +11,14 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tandem.launch import ServiceProcess
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from tandem.v1 import common_pb2, worker_pb2  # noqa: E402
-from tests.integration.workers import WorkerProcess  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -53,7 +49,8 @@ def main() -> None:
 
     model_dir = resolve_model(None)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    worker = WorkerProcess(model_dir, RESULTS / "worker-bench.log")
+    worker = ServiceProcess("cpu_worker", "cpu_worker", ["--model", str(model_dir)], RESULTS / "worker-bench.log")
+    worker.stub = worker_pb2_grpc.WorkerStub(worker.channel)
     try:
         worker.wait_for_health()
         rng = random.Random(0)

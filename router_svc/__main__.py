@@ -25,15 +25,17 @@ HEALTH_POLL_S = 0.25
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives. Health is SERVING while any worker is healthy."""
     from tandem.engine.model.factory import load_tokenizer
-    from tandem.engine.model.loader import resolve_model
+    from tandem.engine.model.loader import model_fingerprint, resolve_model
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(config.model)))
-    registry = BackendRegistry(list(config.workers))
+    model_dir = await asyncio.to_thread(resolve_model, config.model)
+    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+    fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
+    registry = BackendRegistry(list(config.workers), fingerprint)
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(
         RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000), server
@@ -48,8 +50,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
         raise OSError(f"cannot listen on {address}")
     registry.start()
     await server.start()
-    logger.info("router listening on %s, policy %s, workers: %s", address, config.policy,
-                ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
+    logger.info("router listening on %s, policy %s, model fingerprint %s, workers: %s", address, config.policy,
+                fingerprint[:12], ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
 
     serving = None
     while not stop.is_set():

@@ -173,14 +173,19 @@ class _Retry(Exception):
 
 
 class BackendRegistry:
-    """All configured workers. The first model fingerprint seen is the reference; others must match it."""
+    """All configured workers. Only workers whose model fingerprint equals the reference are routed to.
 
-    def __init__(self, addresses: list[WorkerAddress]):
+    Args:
+        reference_fingerprint: the fingerprint of the model the router was configured with; when None,
+            the first fingerprint a worker reports becomes the reference.
+    """
+
+    def __init__(self, addresses: list[WorkerAddress], reference_fingerprint: str | None = None):
         names = [a.name for a in addresses]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique: {names}")
         self.backends = {address.name: Backend(address, self) for address in addresses}
-        self.reference_fingerprint: str | None = None
+        self.reference_fingerprint = reference_fingerprint
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -206,5 +211,3 @@ class BackendRegistry:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.healthy]
 
-    def any_info(self) -> worker_pb2.GetInfoResponse | None:
-        return next((b.info for b in self.backends.values() if b.healthy), None)

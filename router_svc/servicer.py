@@ -189,11 +189,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for index, chat_message in enumerate(message.chat.messages):
             if chat_message.role not in _CHAT_ROLES:
                 raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {', '.join(_CHAT_ROLES)}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("chat", "this model has no chat template; send prompt_text or prompt_token_ids")
         conversation = [{"role": m.role, "content": m.content} for m in message.chat.messages]
-        return await asyncio.to_thread(
-            lambda: list(self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
-        )
+        try:
+            return await asyncio.to_thread(
+                lambda: list(self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
+            )
+        except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
+            raise InvalidRequestError("chat", f"the chat template rejected the messages: {exc}") from None
 
 
 def _uncached(message: router_pb2.RoutingDecision, worker: str, prepared: Prepared) -> int:

@@ -3,67 +3,87 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
+from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tandem.client import DEFAULT_ROUTER
+
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: LLM serving across CPU and GPU workers")
     commands = parser.add_subparsers(dest="command", required=True)
 
     provision = commands.add_parser("provision", help="prepare a model's files (converts the default GGUF once)")
     provision.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: built-in)")
 
-    generate = commands.add_parser("generate", help="run the engine in-process and stream one completion")
+    up = commands.add_parser("up", help="start cpu_worker, gpu_worker and the router here; Ctrl-C stops them")
+    up.add_argument("--model", default=None)
+    up.add_argument("--router-port", type=int, default=50051)
+    up.add_argument("--cpu-port", type=int, default=50061)
+    up.add_argument("--gpu-port", type=int, default=50062)
+    up.add_argument("--log-dir", type=Path, default=None, help="default: $TANDEM_HOME/logs")
+
+    generate = commands.add_parser("generate", help="stream a completion through the router")
     generate.add_argument("prompt")
-    generate.add_argument("--model", default=None)
-    generate.add_argument("--device", default="cpu")
-    generate.add_argument("--dtype", default=None)
-    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--router", default=DEFAULT_ROUTER, help="router address [env TANDEM_ROUTER]")
+    generate.add_argument("--max-new-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--chat", action="store_true", help="render the prompt with the model's chat template")
+    generate.add_argument("--policy", default="", help="routing policy for this request (default: the router's)")
+    generate.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
+    generate.add_argument("--explain", action="store_true", help="print the routing decision table first")
+    generate.add_argument("--dry-run", action="store_true", help="only print the decision (Explain); run nothing")
+
+    backends = commands.add_parser("backends", help="print the workers' live state")
+    backends.add_argument("--router", default=DEFAULT_ROUTER, help="router address [env TANDEM_ROUTER]")
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "provision":
         from tandem.engine.model.loader import resolve_model
 
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         print(resolve_model(args.model))
         return 0
-    return asyncio.run(_generate(args))
+    if args.command == "up":
+        from tandem.engine.model.loader import tandem_home
+        from tandem.stack import run_stack
+
+        return run_stack(args.model, args.router_port, args.cpu_port, args.gpu_port, args.log_dir or tandem_home() / "logs")
+    return _call_router(args)
 
 
-async def _generate(args: argparse.Namespace) -> int:
-    from tandem.engine.engine import AsyncEngine
-    from tandem.engine.model.factory import build_engine
-    from tandem.engine.request import Request, SamplingParams
+def _call_router(args: argparse.Namespace) -> int:
+    import grpc
 
-    engine = build_engine(args.model, device=args.device, dtype=args.dtype)
-    rates = engine.rates.rates()
-    print(f"# {engine.executor.device}: prefill {rates.prefill_tok_s:.0f} tok/s, decode {rates.decode_tok_s:.0f} tok/s",
-          file=sys.stderr)
-    tokenizer = engine.tokenizer
-    if args.chat:
-        prompt_ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    else:
-        prompt_ids = tokenizer(args.prompt)["input_ids"]
-    runner = AsyncEngine(engine)
-    runner.start()
+    from tandem.client import RouterClient, format_backends, format_decision
+
+    client = RouterClient(args.router)
     try:
-        request = Request("cli", list(prompt_ids), args.max_new_tokens, SamplingParams(temperature=args.temperature))
-        async for output in runner.generate(request):
-            print(output.text, end="", flush=True)
-            if output.finished:
-                stats = output.stats
-                print(f"\n# finish={output.finish_reason.value} prompt={stats.num_prompt_tokens} "
-                      f"output={stats.num_output_tokens} ttft={stats.ttft_s:.3f}s total={stats.total_time_s:.3f}s",
-                      file=sys.stderr)
+        if args.command == "backends":
+            print(format_backends(client.backends()))
+            return 0
+        request = RouterClient.request(args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens,
+                                       temperature=args.temperature, policy=args.policy)
+        if args.dry_run:
+            print(format_decision(client.explain(request)))
+            return 0
+        for response in client.generate(request):
+            if response.HasField("decision"):
+                if args.explain:
+                    print(format_decision(response.decision), file=sys.stderr)
+                continue
+            print(response.text, end="", flush=True)
+            if response.HasField("result"):
+                result = response.result
+                print(f"\n[{response.worker}: {result.usage.output_tokens} tokens, "
+                      f"{result.usage.cached_tokens}/{result.usage.prompt_tokens} prompt tokens cached, "
+                      f"TTFT {result.timings.ttft_s:.3f} s, total {result.timings.total_time_s:.3f} s]", file=sys.stderr)
+        return 0
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     finally:
-        runner.stop()
-    return 0
+        client.close()
 
 
 if __name__ == "__main__":

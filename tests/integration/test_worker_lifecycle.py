@@ -23,13 +23,8 @@ def long_request(max_new_tokens: int = 400) -> worker_pb2.GenerateRequest:
 
 
 def harness_worker(tiny_llama, tmp_path, **env) -> WorkerProcess:
-    saved = dict(os.environ)
-    os.environ.update({key: str(value) for key, value in env.items()})
-    try:
-        return WorkerProcess(tiny_llama, tmp_path / "worker.log", launcher=HARNESS)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return WorkerProcess(tiny_llama, tmp_path / "worker.log", launcher=HARNESS,
+                         env={key: str(value) for key, value in env.items()})
 
 
 def test_health_through_startup_and_sigterm_drain(tiny_llama, tmp_path):

@@ -1,0 +1,82 @@
+"""A small Python client for the Tandem router."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import grpc
+
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+DEFAULT_ROUTER = os.environ.get("TANDEM_ROUTER", "127.0.0.1:50051")
+
+
+class RouterClient:
+    """Calls a router at ``address`` (host:port)."""
+
+    def __init__(self, address: str = DEFAULT_ROUTER):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    @staticmethod
+    def request(prompt: str, chat: bool = True, max_new_tokens: int = 128, temperature: float = 0.0,
+                policy: str = "", **fields) -> router_pb2.RouteRequest:
+        """A RouteRequest for ``prompt``: a single user chat message, or plain text when ``chat`` is False."""
+        message = router_pb2.RouteRequest(max_new_tokens=max_new_tokens, policy=policy,
+                                          sampling=common_pb2.SamplingParams(temperature=temperature), **fields)
+        if chat:
+            message.chat.messages.add(role="user", content=prompt)
+        else:
+            message.prompt_text = prompt
+        return message
+
+    def generate(self, request: router_pb2.RouteRequest, timeout: float | None = None) -> Iterator[router_pb2.RouteResponse]:
+        return self.stub.Generate(request, timeout=timeout)
+
+    def explain(self, request: router_pb2.RouteRequest, timeout: float = 10.0) -> router_pb2.RoutingDecision:
+        return self.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=timeout).decision
+
+    def backends(self, timeout: float = 10.0) -> list[router_pb2.Backend]:
+        return list(self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=timeout).backends)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def format_decision(decision: router_pb2.RoutingDecision) -> str:
+    """The decision as a table: one row per worker, the chosen one marked."""
+    lines = [
+        f"policy {decision.policy}: {decision.prompt_tokens} prompt tokens, {decision.max_new_tokens} new "
+        f"-> {decision.chosen_worker}" + (f" (after failures: {', '.join(decision.failed_workers)})"
+                                          if decision.failed_workers else ""),
+        f"  {'worker':<10}{'score s':>9}{'cached':>8}{'prefill':>9}{'decode':>8}{'inflight':>9}"
+        f"{'prefill/s':>11}{'decode/s':>10}  source",
+    ]
+    for s in decision.scores:
+        mark = "*" if s.worker == decision.chosen_worker else " "
+        if not s.eligible:
+            lines.append(f"{mark} {s.worker:<10}  not eligible: {s.reason}")
+            continue
+        lines.append(
+            f"{mark} {s.worker:<10}{s.score_s:>9.3f}{s.cached_tokens:>8}{s.pending_prefill_tokens:>9}"
+            f"{s.pending_decode_tokens:>8}{s.inflight_requests:>9}{s.prefill_tokens_per_s:>11.0f}"
+            f"{s.decode_tokens_per_s:>10.0f}  {s.state_source}"
+        )
+    return "\n".join(lines)
+
+
+def format_backends(backends: list[router_pb2.Backend]) -> str:
+    header = (f"{'worker':<10}{'kind':<6}{'address':<22}{'device':<8}{'status':<12}{'run':>5}{'wait':>5}"
+              f"{'prefill':>9}{'decode':>8}{'prefill/s':>11}{'decode/s':>10}{'routed':>8}{'inflight':>9}")
+    lines = [header]
+    for b in backends:
+        state = b.state
+        kind = common_pb2.WorkerKind.Name(b.kind).removeprefix("WORKER_KIND_").lower()
+        lines.append(
+            f"{b.name:<10}{kind:<6}{b.address:<22}{b.device or '-':<8}{b.status[:11]:<12}{state.num_running:>5}"
+            f"{state.num_waiting:>5}{state.pending_prefill_tokens:>9}{state.pending_decode_tokens:>8}"
+            f"{state.rates.prefill_tokens_per_s:>11.0f}{state.rates.decode_tokens_per_s:>10.0f}"
+            f"{b.routed_requests:>8}{b.inflight_requests:>9}"
+        )
+    return "\n".join(lines)

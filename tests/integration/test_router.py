@@ -1,0 +1,239 @@
+"""The router in front of two real workers (kinds cpu and gpu, both on the CPU here), end to end."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from tandem.v1 import common_pb2, router_pb2, worker_pb2
+from tests.engine.helpers import hf_greedy
+from tests.integration.workers import NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker
+
+GREEDY = common_pb2.SamplingParams(temperature=0)
+HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.py")]
+
+
+def route(prompt, max_new_tokens=8, **fields) -> router_pb2.RouteRequest:
+    return router_pb2.RouteRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens,
+                                   sampling=GREEDY, ignore_eos=True, **fields)
+
+
+def tokens_of(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def wait_until(predicate, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("stack")
+    with running_worker(tiny_llama, logs / "cpu.log") as cpu, \
+            running_worker(tiny_llama, logs / "gpu.log", module_kind="gpu") as gpu:
+        router = RouterProcess(tiny_llama, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"])
+        try:
+            router.wait_for_health(SERVING)
+            router.wait_for_backends({"cpu", "gpu"})
+            yield router, {"cpu": cpu, "gpu": gpu}
+            assert router.alive, router.log()
+        finally:
+            router.close()
+
+
+def test_generate_sends_the_decision_then_the_tokens(stack, tiny_llama):
+    router, _ = stack
+    prompt = list(range(30, 60))
+    responses = list(router.stub.Generate(route(prompt, 10), timeout=60))
+    decision = responses[0].decision
+    assert decision.policy == "cost" and decision.chosen_worker in ("cpu", "gpu")
+    assert {s.worker for s in decision.scores} == {"cpu", "gpu"}
+    assert all(s.eligible and s.score_s > 0 and s.state_source == "estimate" for s in decision.scores)
+    assert decision.scores[0].score_s <= decision.scores[1].score_s
+    assert decision.scores[0].worker == decision.chosen_worker
+    assert tokens_of(responses[1:]) == hf_greedy(tiny_llama, prompt, 10)
+    assert all(r.worker == decision.chosen_worker for r in responses[1:])
+    assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_text_and_chat_prompts_are_tokenized_once_by_the_router(stack):
+    router, _ = stack
+    text = router_pb2.RouteRequest(prompt_text="The quick brown fox", max_new_tokens=3, sampling=GREEDY, ignore_eos=True)
+    chat = router_pb2.RouteRequest(max_new_tokens=3, sampling=GREEDY, ignore_eos=True,
+                                   chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="hi")]))
+    for request in (text, chat):
+        responses = list(router.stub.Generate(request, timeout=60))
+        assert responses[0].decision.prompt_tokens == responses[-1].result.usage.prompt_tokens > 0
+
+
+def test_explain_agrees_with_generate(stack):
+    router, _ = stack
+    request = route(list(range(200, 260)), 16)
+    explained = router.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=10).decision
+    generated = next(iter(router.stub.Generate(request, timeout=60))).decision
+    assert explained.chosen_worker == generated.chosen_worker
+    assert [s.worker for s in explained.scores] == [s.worker for s in generated.scores]
+    for a, b in zip(explained.scores, generated.scores):
+        assert (a.cached_tokens, a.pending_prefill_tokens, a.pending_decode_tokens) == \
+               (b.cached_tokens, b.pending_prefill_tokens, b.pending_decode_tokens)
+        assert a.score_s == pytest.approx(b.score_s, rel=0.25)
+
+
+def test_saturated_gpu_worker_makes_the_router_offload(stack):
+    router, workers = stack
+    gpu = workers["gpu"]
+    load = [gpu.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=list(range(40))),
+                                                         max_new_tokens=900, sampling=GREEDY, ignore_eos=True), timeout=60)
+            for _ in range(40)]
+    try:
+        for call in load[:8]:
+            next(call)
+        decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(list(range(70, 90)), 32)), timeout=10).decision
+        scores = {s.worker: s for s in decision.scores}
+        assert scores["gpu"].pending_decode_tokens > 20000 and scores["gpu"].num_running == 8
+        assert decision.chosen_worker == "cpu"
+        responses = list(router.stub.Generate(route(list(range(70, 90)), 4), timeout=60))
+        assert responses[0].decision.chosen_worker == "cpu" and responses[-1].worker == "cpu"
+    finally:
+        for call in load:
+            call.cancel()
+    wait_until(lambda: gpu.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5).num_running == 0)
+
+
+def test_client_cancel_cancels_the_worker_call(stack):
+    router, workers = stack
+    call = router.stub.Generate(route(list(range(5, 25)), 900), timeout=60)
+    chosen = next(call).decision.chosen_worker
+    next(call)
+    worker = workers[chosen]
+    assert worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5).num_running == 1
+    call.cancel()
+    wait_until(lambda: (s := worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)).num_running == 0
+               and s.kv_blocks_used == 0)
+
+
+def test_a_burst_is_spread_by_in_flight_credit(stack):
+    router, workers = stack
+
+    def first_decision(i: int) -> router_pb2.RoutingDecision:
+        call = router.stub.Generate(route([300 + i] * 24, 200), timeout=60)
+        decision = next(call).decision
+        for _ in call:
+            pass
+        return decision
+
+    with ThreadPoolExecutor(8) as pool:
+        decisions = list(pool.map(first_decision, range(8)))
+    chosen = Counter(d.chosen_worker for d in decisions)
+    assert min(chosen["cpu"], chosen["gpu"]) >= 2, decisions
+
+
+def test_list_backends_reports_every_worker(stack):
+    router, _ = stack
+    backends = {b.name: b for b in router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends}
+    assert set(backends) == {"cpu", "gpu"}
+    for name, backend in backends.items():
+        assert backend.healthy and backend.status == "serving" and backend.device == "cpu"
+        assert backend.state.rates.decode_tokens_per_s > 0 and len(backend.model_fingerprint) == 64
+    assert backends["cpu"].kind == common_pb2.WORKER_KIND_CPU and backends["gpu"].kind == common_pb2.WORKER_KIND_GPU
+    assert sum(b.routed_requests for b in backends.values()) > 0
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "field"),
+    [
+        (dict(max_new_tokens=4), "prompt"),
+        (dict(prompt_text="", max_new_tokens=4), "prompt_text"),
+        (dict(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 2]), max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 2]), max_new_tokens=4,
+              sampling=common_pb2.SamplingParams(top_p=0)), "sampling.top_p"),
+        (dict(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 2]), max_new_tokens=4, policy="fastest"), "policy"),
+        (dict(chat=router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="robot", content="x")]),
+              max_new_tokens=4), "chat.messages[0].role"),
+        (dict(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 99999]), max_new_tokens=4), "prompt_token_ids"),
+    ],
+)
+def test_invalid_input_names_the_field(stack, request_fields, field):
+    router, _ = stack
+    with pytest.raises(grpc.RpcError) as info:
+        list(router.stub.Generate(router_pb2.RouteRequest(**request_fields), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field + ":"), info.value.details()
+
+
+def test_no_healthy_worker_gives_unavailable_naming_the_workers(tiny_llama, tmp_path):
+    from tandem.launch import free_port
+
+    router = RouterProcess(tiny_llama, tmp_path / "router.log",
+                           [f"a=cpu@127.0.0.1:{free_port()}", f"b=gpu@127.0.0.1:{free_port()}"])
+    try:
+        router.wait_for_health(NOT_SERVING)
+        with pytest.raises(grpc.RpcError) as info:
+            list(router.stub.Generate(route([1, 2, 3]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "a (unreachable" in info.value.details() and "b (unreachable" in info.value.details()
+    finally:
+        assert router.terminate() == 0
+
+
+@pytest.mark.slow
+def test_failover_mid_stream_failure_and_restart(tiny_llama, tmp_path):
+    """A worker killed before its first token: the request completes elsewhere. Killed mid-stream: a clear
+    UNAVAILABLE. Restarted: routed to again, without restarting the router."""
+    slow_env = {"HARNESS_STEP_DELAY_S": "0.4"}
+    slow = WorkerProcess(tiny_llama, tmp_path / "slow.log", launcher=HARNESS, env=slow_env)
+    with running_worker(tiny_llama, tmp_path / "fast.log") as fast:
+        router = RouterProcess(tiny_llama, tmp_path / "router.log", [f"slow=gpu@{slow.address}", f"fast=cpu@{fast.address}"])
+        try:
+            slow.wait_for_health()
+            router.wait_for_backends({"slow", "fast"})
+            prefix = list(range(100, 164))
+            list(slow.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + [1]),
+                                                               max_new_tokens=1), timeout=60))
+
+            # cache_aware picks the worker holding the prefix: the slow one. Kill it during its prefill.
+            prompt = prefix + [2, 3]
+            call = router.stub.Generate(route(prompt, 6, policy="cache_aware"), timeout=60)
+            first = next(call).decision
+            assert first.chosen_worker == "slow"
+            slow.process.kill()
+            responses = list(call)
+            retry = responses[0].decision
+            assert retry.chosen_worker == "fast" and list(retry.failed_workers) == ["slow"]
+            assert tokens_of(responses[1:]) == hf_greedy(tiny_llama, prompt, 6)
+            slow.close()
+
+            # Restart on the same port: the router picks it up again.
+            slow = WorkerProcess(tiny_llama, tmp_path / "slow2.log", launcher=HARNESS, env=slow_env, port=slow.port)
+            slow.wait_for_health()
+            router.wait_for_backends({"slow", "fast"}, timeout=30)
+
+            # Killed after tokens were streamed: UNAVAILABLE naming the worker, no duplicated tokens.
+            prefix = list(range(200, 264))  # cached on the restarted slow worker only
+            prompt = prefix + [2, 3]
+            list(slow.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + [1]),
+                                                               max_new_tokens=1), timeout=60))
+            call = router.stub.Generate(route(prompt, 50, policy="cache_aware"), timeout=60)
+            assert next(call).decision.chosen_worker == "slow"
+            received = list(next(call).token_ids)
+            slow.process.kill()
+            with pytest.raises(grpc.RpcError) as info:
+                for response in call:
+                    received += list(response.token_ids)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "worker slow failed after streaming" in info.value.details()
+            assert received == hf_greedy(tiny_llama, prompt, 50)[: len(received)]
+        finally:
+            router.close()
+            slow.close()
