@@ -48,6 +48,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     address = f"{config.host}:{config.port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.metrics_port, addr=config.host)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", config.host, config.metrics_port)
     registry.start()
     await server.start()
     logger.info("router listening on %s, policy %s, model fingerprint %s, workers: %s", address, config.policy,

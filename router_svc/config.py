@@ -24,6 +24,7 @@ class RouterConfig:
     policy: str = DEFAULT_POLICY
     probe_deadline_ms: float = 50.0
     model: str | None = None
+    metrics_port: int = 0
     workers: tuple[WorkerAddress, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -45,6 +46,8 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                             type=positive_float, help="deadline of the Estimate probe sent to every worker per request")
     parser.add_env_argument("--model", "TANDEM_MODEL", defaults.get("model"),
                             help="the model the workers serve, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    parser.add_env_argument("--metrics-port", "TANDEM_METRICS_PORT", defaults.get("metrics_port", 0), type=port_number,
+                            help="serve Prometheus metrics on this port (0: off)")
     parser.add_argument("--worker", action="append",
                         help="a worker as NAME=KIND@HOST:PORT (KIND cpu or gpu); repeat for more "
                              f"[env {WORKERS_ENV}, comma-separated]")
@@ -67,6 +70,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             policy=args.policy,
             probe_deadline_ms=args.probe_deadline_ms,
             model=args.model,
+            metrics_port=args.metrics_port,
             workers=tuple(WorkerAddress.parse(spec) for spec in specs),
         )
     except ValueError as exc:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from router_svc import metrics
 from router_svc.backends import Backend, BackendRegistry
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, RouteInput, WorkerView
 from tandem.engine.errors import InvalidRequestError
@@ -62,6 +63,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             self._sequence += 1
             backend.dispatch(prepared.request_id, _uncached(message, decision.chosen, prepared), prepared.max_new_tokens)
             _log_decision(prepared.request_id, message)
+            metrics.record_decision(message)
             yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
 
             call = backend.stub.Generate(prepared.worker_request, timeout=context.time_remaining())
@@ -90,6 +92,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     )
                 await context.abort(code, details)
             logger.warning("worker %s failed before the first token (%s: %s); failing over", backend.name, code.name, details)
+            metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
             failed.append(backend.name)
             errors[backend.name] = f"{code.name}: {details}"
 

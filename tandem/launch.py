@@ -34,6 +34,7 @@ class ServiceProcess:
     def __init__(self, name: str, module: str | None, args: list[str], log_path: Path, host: str = "127.0.0.1",
                  port: int | None = None, command: list[str] | None = None, env: dict[str, str] | None = None):
         self.name = name
+        self.args = list(args)
         self.port = port or free_port(host)
         self.address = f"{host}:{self.port}"
         self.log_path = log_path

@@ -12,6 +12,7 @@ import pytest
 
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
+from tandem.launch import free_port
 from tests.integration.workers import NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
@@ -42,7 +43,8 @@ def stack(tiny_llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp("stack")
     with running_worker(tiny_llama, logs / "cpu.log") as cpu, \
             running_worker(tiny_llama, logs / "gpu.log", module_kind="gpu") as gpu:
-        router = RouterProcess(tiny_llama, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"])
+        router = RouterProcess(tiny_llama, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"],
+                               "--metrics-port", str(free_port()))
         try:
             router.wait_for_health(SERVING)
             router.wait_for_backends({"cpu", "gpu"})
@@ -172,9 +174,27 @@ def test_invalid_input_names_the_field(stack, request_fields, field):
     assert info.value.details().startswith(field + ":"), info.value.details()
 
 
-def test_no_healthy_worker_gives_unavailable_naming_the_workers(tiny_llama, tmp_path):
-    from tandem.launch import free_port
+def test_decisions_are_logged_as_json_lines_and_counted_in_metrics(stack):
+    import json
+    import urllib.request
 
+    router, _ = stack
+    request_id = "logged-decision"
+    list(router.stub.Generate(route(list(range(10, 20)), 2, request_id=request_id), timeout=60))
+    lines = [json.loads(line.split("tandem.router.decisions: ", 1)[1])
+             for line in router.log().splitlines() if "tandem.router.decisions: " in line]
+    entry = next(e for e in lines if e["request_id"] == request_id)
+    assert entry["event"] == "route" and entry["policy"] == "cost" and entry["chosen"] in ("cpu", "gpu")
+    assert {"score_s", "cached_tokens", "pending_prefill_tokens", "pending_decode_tokens", "inflight_requests",
+            "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_s", "decode_s"} <= set(entry["scores"][0])
+    port = router.args[router.args.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    chosen = [line for line in text.splitlines() if line.startswith("tandem_router_decisions_total{")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in chosen) >= 1
+    assert "tandem_router_worker_score_seconds_bucket" in text
+
+
+def test_no_healthy_worker_gives_unavailable_naming_the_workers(tiny_llama, tmp_path):
     router = RouterProcess(tiny_llama, tmp_path / "router.log",
                            [f"a=cpu@127.0.0.1:{free_port()}", f"b=gpu@127.0.0.1:{free_port()}"])
     try:

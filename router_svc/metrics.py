@@ -1,0 +1,25 @@
+"""Prometheus metrics of the router's decisions."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+ROUTING_DECISIONS = Counter(
+    "tandem_router_decisions_total", "Routing decisions, by chosen worker and policy", ["worker", "policy"]
+)
+ROUTING_FAILOVERS = Counter(
+    "tandem_router_failovers_total", "Requests moved to another worker after a failure before the first token", ["worker"]
+)
+WORKER_SCORE = Histogram(
+    "tandem_router_worker_score_seconds", "Each eligible worker's score at decision time (cost and finish_time policies)",
+    ["worker", "policy"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
+)
+
+
+def record_decision(message) -> None:
+    """Count a decision (a tandem.v1.RoutingDecision) and observe every eligible worker's score."""
+    ROUTING_DECISIONS.labels(message.chosen_worker, message.policy).inc()
+    if message.policy in ("cost", "finish_time"):
+        for score in message.scores:
+            if score.eligible:
+                WORKER_SCORE.labels(score.worker, message.policy).observe(score.score_s)

@@ -1,0 +1,64 @@
+"""The router's view of a worker: reported state plus in-flight credit, from an estimate or a snapshot."""
+
+from __future__ import annotations
+
+from router_svc.backends import Backend, BackendRegistry, WorkerAddress
+from tandem.v1 import common_pb2, worker_pb2
+
+
+def make_backend() -> Backend:
+    registry = BackendRegistry([WorkerAddress("gpu", "gpu", "127.0.0.1", 1)], reference_fingerprint="f")
+    backend = registry.backends["gpu"]
+    backend.info = worker_pb2.GetInfoResponse(model_fingerprint="f", max_num_batched_tokens=256)
+    backend.connected = True
+    return backend
+
+
+def state(*requests: common_pb2.RequestLoad, seq: int = 1) -> common_pb2.BackendState:
+    return common_pb2.BackendState(
+        seq=seq,
+        serving_state=common_pb2.SERVING_STATE_SERVING,
+        num_running=sum(r.running for r in requests),
+        num_waiting=sum(not r.running for r in requests),
+        pending_prefill_tokens=sum(r.prefill_tokens for r in requests),
+        pending_decode_tokens=sum(r.decode_tokens for r in requests),
+        max_active_requests=4,
+        rates=common_pb2.Rates(prefill_tokens_per_s=2551, decode_tokens_per_s=293),
+        requests=list(requests),
+    )
+
+
+async def test_dispatched_requests_count_until_the_worker_reports_them():
+    backend = make_backend()
+    backend.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
+    backend.dispatch("b", prefill_tokens=20, decode_tokens=128)
+    backend.dispatch("c", prefill_tokens=20, decode_tokens=128)
+
+    credited = backend.view(None)
+    assert (credited.pending_prefill_tokens, credited.pending_decode_tokens) == (40, 356)
+    assert (credited.num_waiting, credited.inflight_requests) == (2, 2)
+    assert credited.state_source == "snapshot" and credited.cached_tokens == 0
+    assert len(credited.queue) == 3
+
+    fresh = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=99),
+                  common_pb2.RequestLoad(request_id="b", running=False, prefill_tokens=20, decode_tokens=128), seq=2)
+    fresh.cached_tokens = 496
+    view = backend.view(fresh)
+    assert (view.pending_prefill_tokens, view.pending_decode_tokens) == (40, 355)  # b reported, c credited
+    assert (view.inflight_requests, view.cached_tokens, view.state_source) == (1, 496, "estimate")
+
+    backend.release("c")
+    assert backend.view(fresh).inflight_requests == 0
+    assert backend.routed_requests == 2
+
+
+async def test_health_needs_connection_serving_state_and_the_reference_model():
+    backend = make_backend()
+    assert not backend.healthy  # no state yet
+    backend.state = state()
+    assert backend.healthy and backend.describe() == "serving"
+    backend.info = worker_pb2.GetInfoResponse(model_fingerprint="other")
+    assert not backend.healthy and "fingerprint" in backend.describe()
+    backend.info = worker_pb2.GetInfoResponse(model_fingerprint="f")
+    backend.state = common_pb2.BackendState(serving_state=common_pb2.SERVING_STATE_DRAINING)
+    assert not backend.healthy and backend.describe() == "draining"
