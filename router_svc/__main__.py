@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from router_svc.backends import BackendRegistry
 from router_svc.config import RouterConfig, parse_config
 from router_svc.servicer import RouterServicer
+from tandem.telemetry import setup_tracing
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger("router_svc")
@@ -80,7 +81,13 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(parse_config(argv)))
+    config = parse_config(argv)
+    provider = setup_tracing("router")
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        if provider is not None:
+            provider.shutdown()
 
 
 if __name__ == "__main__":

@@ -10,15 +10,18 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from router_svc import metrics
 from router_svc.backends import Backend, BackendRegistry
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, RouteInput, WorkerView
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.request import SamplingParams
+from tandem.telemetry import child_span, mark_failed, outgoing_metadata, server_span, tracer
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
+_tracer = tracer("tandem.router")
 decision_log = logging.getLogger("tandem.router.decisions")
 
 _KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
@@ -54,57 +57,88 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._sequence = 0
 
     async def Generate(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext):
-        prepared = await self._prepare(request, context)
-        failed: list[str] = []
-        errors: dict[str, str] = {}
-        while True:
-            decision, message = await self._decide(prepared, context, exclude=failed, errors=errors)
-            backend = self.registry.backends[decision.chosen]
-            self._sequence += 1
-            backend.dispatch(prepared.request_id, _uncached(message, decision.chosen, prepared), prepared.max_new_tokens)
-            _log_decision(prepared.request_id, message)
-            metrics.record_decision(message)
-            yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
+        with server_span(_tracer, "tandem.v1.Router/Generate", context,
+                         {"gen_ai.request.max_tokens": request.max_new_tokens}) as span:
+            prepared = await self._prepare(request, context)
+            span.set_attributes({"tandem.request_id": prepared.request_id,
+                                 "gen_ai.usage.input_tokens": prepared.prompt_tokens})
+            failed: list[str] = []
+            errors: dict[str, str] = {}
+            while True:
+                decision, message = await self._decide(prepared, context, span, exclude=failed, errors=errors)
+                backend = self.registry.backends[decision.chosen]
+                self._sequence += 1
+                backend.dispatch(prepared.request_id, _uncached(message, decision.chosen, prepared), prepared.max_new_tokens)
+                _log_decision(prepared.request_id, message)
+                metrics.record_decision(message)
+                yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
 
-            call = backend.stub.Generate(prepared.worker_request, timeout=context.time_remaining())
-            streamed = 0
-            try:
-                async for response in call:
-                    streamed += len(response.token_ids)
-                    yield router_pb2.RouteResponse(
-                        request_id=prepared.request_id, token_ids=response.token_ids, text=response.text,
-                        result=response.result if response.HasField("result") else None, worker=backend.name,
-                    )
-                return
-            except grpc.aio.AioRpcError as exc:
-                code, details = exc.code(), exc.details()
-            finally:
-                call.cancel()  # leaving the loop does not cancel a grpc.aio call
-                backend.release(prepared.request_id)
+                client = child_span(_tracer, span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
+                    "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
+                    "server.address": backend.address.host, "server.port": backend.address.port,
+                    "tandem.worker": backend.name,
+                })
+                call = backend.stub.Generate(prepared.worker_request, timeout=context.time_remaining(),
+                                             metadata=outgoing_metadata(client))
+                streamed = 0
+                try:
+                    async for response in call:
+                        streamed += len(response.token_ids)
+                        if response.HasField("result"):
+                            _record_result(span, response.result)
+                        yield router_pb2.RouteResponse(
+                            request_id=prepared.request_id, token_ids=response.token_ids, text=response.text,
+                            result=response.result if response.HasField("result") else None, worker=backend.name,
+                        )
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    code, details = exc.code(), exc.details()
+                    mark_failed(client, exc)
+                except BaseException as exc:
+                    mark_failed(client, exc)
+                    raise
+                finally:
+                    call.cancel()  # leaving the loop does not cancel a grpc.aio call
+                    backend.release(prepared.request_id)
+                    client.end()
 
-            backend.failed_requests += 1
-            if streamed or code not in _RETRYABLE:
-                if streamed:
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"worker {backend.name} failed after streaming {streamed} tokens ({code.name}: {details}); "
-                        "the output is incomplete",
-                    )
-                await context.abort(code, details)
-            logger.warning("worker %s failed before the first token (%s: %s); failing over", backend.name, code.name, details)
-            metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
-            failed.append(backend.name)
-            errors[backend.name] = f"{code.name}: {details}"
+                backend.failed_requests += 1
+                if streamed or code not in _RETRYABLE:
+                    if streamed:
+                        await context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"worker {backend.name} failed after streaming {streamed} tokens ({code.name}: {details}); "
+                            "the output is incomplete",
+                        )
+                    await context.abort(code, details)
+                logger.warning("worker %s failed before the first token (%s: %s); failing over", backend.name, code.name, details)
+                metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
+                failed.append(backend.name)
+                errors[backend.name] = f"{code.name}: {details}"
 
     async def Explain(self, request: router_pb2.ExplainRequest, context: grpc.aio.ServicerContext):
-        prepared = await self._prepare(request.request, context)
-        _, message = await self._decide(prepared, context, exclude=[], errors={})
-        return router_pb2.ExplainResponse(decision=message)
+        with server_span(_tracer, "tandem.v1.Router/Explain", context) as span:
+            prepared = await self._prepare(request.request, context)
+            _, message = await self._decide(prepared, context, span, exclude=[], errors={})
+            return router_pb2.ExplainResponse(decision=message)
 
     async def ListBackends(self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext):
         return router_pb2.ListBackendsResponse(backends=[_backend_message(b) for b in self.registry.backends.values()])
 
-    async def _decide(self, prepared: Prepared, context, exclude: list[str], errors: dict[str, str]):
+    async def _decide(self, prepared: Prepared, context, parent_span, exclude: list[str], errors: dict[str, str]):
+        route_span = child_span(_tracer, parent_span, "route", attributes={"tandem.routing.policy": prepared.policy})
+        try:
+            decision, message = await self._score(prepared, context, exclude, errors)
+        except BaseException as exc:
+            mark_failed(route_span, exc, context)
+            raise
+        else:
+            route_span.set_attributes(_decision_attributes(message))
+            return decision, message
+        finally:
+            route_span.end()
+
+    async def _score(self, prepared: Prepared, context, exclude: list[str], errors: dict[str, str]):
         candidates = [b for b in self.registry.healthy() if b.name not in exclude]
         estimates = await asyncio.gather(*(b.estimate(prepared.prompt_token_ids, self.probe_deadline_s) for b in candidates))
         views = [
@@ -207,6 +241,40 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 def _uncached(message: router_pb2.RoutingDecision, worker: str, prepared: Prepared) -> int:
     cached = next(s.cached_tokens for s in message.scores if s.worker == worker)
     return max(0, prepared.prompt_tokens - cached)
+
+
+def _decision_attributes(message: router_pb2.RoutingDecision) -> dict:
+    """The decision as span attributes: the choice, and every worker's score and its parts."""
+    chosen = next((s for s in message.scores if s.worker == message.chosen_worker), None)
+    attributes = {
+        "tandem.routing.policy": message.policy,
+        "tandem.routing.chosen_worker": message.chosen_worker,
+        "tandem.routing.cached_tokens": chosen.cached_tokens if chosen else 0,
+        "tandem.routing.failed_workers": list(message.failed_workers),
+    }
+    for s in message.scores:
+        prefix = f"tandem.routing.worker.{s.worker}"
+        attributes[f"{prefix}.eligible"] = s.eligible
+        if s.eligible:
+            attributes.update({
+                f"{prefix}.score_s": s.score_s, f"{prefix}.cached_tokens": s.cached_tokens,
+                f"{prefix}.pending_prefill_tokens": s.pending_prefill_tokens,
+                f"{prefix}.pending_decode_tokens": s.pending_decode_tokens,
+                f"{prefix}.inflight_requests": s.inflight_requests,
+                f"{prefix}.prefill_tokens_per_s": s.prefill_tokens_per_s,
+                f"{prefix}.decode_tokens_per_s": s.decode_tokens_per_s,
+            })
+        else:
+            attributes[f"{prefix}.reason"] = s.reason
+    return attributes
+
+
+def _record_result(span, result: worker_pb2.GenerateResult) -> None:
+    span.set_attributes({
+        "gen_ai.usage.output_tokens": result.usage.output_tokens,
+        "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(result.finish_reason)
+                                           .removeprefix("FINISH_REASON_").lower()],
+    })
 
 
 def _log_decision(request_id: str, message: router_pb2.RoutingDecision) -> None:

@@ -54,10 +54,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _call_router(args: argparse.Namespace) -> int:
     import grpc
+    from opentelemetry.trace import SpanKind
 
     from tandem.client import RouterClient, format_backends, format_decision
+    from tandem.telemetry import mark_failed, setup_tracing, tracer
 
+    provider = setup_tracing("tandem-cli")
     client = RouterClient(args.router)
+    span = tracer("tandem.cli").start_span(f"tandem {args.command}", kind=SpanKind.CLIENT)
     try:
         if args.command == "backends":
             print(format_backends(client.backends()))
@@ -65,9 +69,9 @@ def _call_router(args: argparse.Namespace) -> int:
         request = RouterClient.request(args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens,
                                        temperature=args.temperature, policy=args.policy)
         if args.dry_run:
-            print(format_decision(client.explain(request)))
+            print(format_decision(client.explain(request, span=span)))
             return 0
-        for response in client.generate(request):
+        for response in client.generate(request, span=span):
             if response.HasField("decision"):
                 if args.explain:
                     print(format_decision(response.decision), file=sys.stderr)
@@ -77,13 +81,18 @@ def _call_router(args: argparse.Namespace) -> int:
                 result = response.result
                 print(f"\n[{response.worker}: {result.usage.output_tokens} tokens, "
                       f"{result.usage.cached_tokens}/{result.usage.prompt_tokens} prompt tokens cached, "
-                      f"TTFT {result.timings.ttft_s:.3f} s, total {result.timings.total_time_s:.3f} s]", file=sys.stderr)
+                      f"TTFT {result.timings.ttft_s:.3f} s, total {result.timings.total_time_s:.3f} s, "
+                      f"trace {span.get_span_context().trace_id:032x}]", file=sys.stderr)
         return 0
     except grpc.RpcError as exc:
+        mark_failed(span, exc)
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     finally:
+        span.end()
         client.close()
+        if provider is not None:
+            provider.shutdown()
 
 
 if __name__ == "__main__":

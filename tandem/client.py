@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from tandem.telemetry import outgoing_metadata
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ROUTER = os.environ.get("TANDEM_ROUTER", "127.0.0.1:50051")
@@ -31,11 +32,14 @@ class RouterClient:
             message.prompt_text = prompt
         return message
 
-    def generate(self, request: router_pb2.RouteRequest, timeout: float | None = None) -> Iterator[router_pb2.RouteResponse]:
-        return self.stub.Generate(request, timeout=timeout)
+    def generate(self, request: router_pb2.RouteRequest, timeout: float | None = None,
+                 span=None) -> Iterator[router_pb2.RouteResponse]:
+        """Stream a generation; with ``span``, its trace context travels along (W3C traceparent)."""
+        return self.stub.Generate(request, timeout=timeout, metadata=outgoing_metadata(span) if span else None)
 
-    def explain(self, request: router_pb2.RouteRequest, timeout: float = 10.0) -> router_pb2.RoutingDecision:
-        return self.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=timeout).decision
+    def explain(self, request: router_pb2.RouteRequest, timeout: float = 10.0, span=None) -> router_pb2.RoutingDecision:
+        metadata = outgoing_metadata(span) if span else None
+        return self.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=timeout, metadata=metadata).decision
 
     def backends(self, timeout: float = 10.0) -> list[router_pb2.Backend]:
         return list(self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=timeout).backends)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem.engine.engine import AsyncEngine, LLMEngine
+from tandem.telemetry import setup_tracing
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.worker.config import WorkerConfig, default_threads
 from tandem.worker.servicer import WorkerIdentity, WorkerServicer
@@ -156,4 +157,9 @@ def main(kind: str, default_port: int, resolve_device: Callable[[str | None], st
     config = dataclasses.replace(config, device=resolve_device(config.device))
     if kind == "gpu" and config.device == "cpu":
         logger.warning("gpu_worker is running on the CPU; every state report says device=cpu")
-    return asyncio.run(serve(config))
+    provider = setup_tracing(f"{kind}-worker")
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        if provider is not None:
+            provider.shutdown()

@@ -15,9 +15,11 @@ from tandem.engine.engine import AsyncEngine, EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request, SamplingParams
+from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+_tracer = tracer("tandem.worker")
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
@@ -83,27 +85,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return False
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        engine = await self._require_state(context, common_pb2.SERVING_STATE_SERVING)
-        engine_request = await self._to_engine_request(request, context)
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            async for output in engine.generate(engine_request):
-                if output.finish_reason is FinishReason.ERROR:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {output.error}")
-                if output.finish_reason is FinishReason.ABORTED:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished")
-                yield _to_response(engine_request.req_id, output)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except EngineDeadError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {exc}")
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+        with server_span(_tracer, "tandem.v1.Worker/Generate", context,
+                         {"gen_ai.request.max_tokens": request.max_new_tokens}) as span:
+            engine = await self._require_state(context, common_pb2.SERVING_STATE_SERVING)
+            engine_request = await self._to_engine_request(request, context)
+            span.set_attributes({"tandem.request_id": engine_request.req_id,
+                                 "gen_ai.usage.input_tokens": engine_request.num_prompt_tokens})
+            self._inflight += 1
+            self._idle.clear()
+            try:
+                async for output in engine.generate(engine_request):
+                    if output.finish_reason is FinishReason.ERROR:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {output.error}")
+                    if output.finish_reason is FinishReason.ABORTED:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished")
+                    if output.finished:
+                        _record_engine_phases(span, engine_request, output)
+                    yield _to_response(engine_request.req_id, output)
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except QueueFullError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except EngineDeadError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {exc}")
+            finally:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self._idle.set()
 
     async def Estimate(self, request: worker_pb2.EstimateRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_state(context)
@@ -257,6 +265,32 @@ def _to_response(request_id: str, output: RequestOutput) -> worker_pb2.GenerateR
             )
         )
     return response
+
+
+def _record_engine_phases(span, request: Request, output: RequestOutput) -> None:
+    """Engine spans under the worker's server span, timed from the request's recorded timestamps."""
+    stats = output.stats
+    span.set_attributes({
+        "gen_ai.usage.output_tokens": stats.num_output_tokens,
+        "gen_ai.response.finish_reasons": [output.finish_reason.value],
+        "tandem.cached_tokens": stats.num_cached_tokens,
+    })
+    arrival = request.arrival_time
+    scheduled = arrival + stats.queue_time_s
+    end = arrival + stats.total_time_s
+    child_span(_tracer, span, "engine.queue", start_time=wall_time_ns(arrival)).end(end_time=wall_time_ns(scheduled))
+    if stats.ttft_s is None:
+        return
+    first_token = arrival + stats.ttft_s
+    prefill = child_span(_tracer, span, "engine.prefill", start_time=wall_time_ns(scheduled), attributes={
+        "tandem.cached_tokens": stats.num_cached_tokens,
+        "tandem.computed_tokens": stats.num_prompt_tokens - stats.num_cached_tokens,
+    })
+    prefill.end(end_time=wall_time_ns(first_token))
+    decode = child_span(_tracer, span, "engine.decode", start_time=wall_time_ns(first_token),
+                        attributes={"gen_ai.usage.output_tokens": stats.num_output_tokens})
+    decode.add_event("first_token", timestamp=wall_time_ns(first_token))
+    decode.end(end_time=wall_time_ns(end))
 
 
 def _rates_message(rates: Rates | None) -> common_pb2.Rates | None:

@@ -44,10 +44,11 @@ def running_worker(model_dir: Path, log_path: Path, *args: str, module_kind: str
 class RouterProcess(ServiceProcess):
     """A router in front of ``workers`` (``NAME=KIND@HOST:PORT`` specs), plus a Router stub."""
 
-    def __init__(self, model_dir: Path, log_path: Path, workers: list[str], *args: str):
+    def __init__(self, model_dir: Path, log_path: Path, workers: list[str], *args: str,
+                 env: dict[str, str] | None = None):
         worker_args = [arg for spec in workers for arg in ("--worker", spec)]
         super().__init__("router_svc", "router_svc", ["--model", str(model_dir), *worker_args, *args], log_path,
-                         env={"PYTHONPATH": str(REPO)})
+                         env={"PYTHONPATH": str(REPO), **(env or {})})
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def wait_for_backends(self, healthy: set[str], timeout: float = 60.0) -> None:
