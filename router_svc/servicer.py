@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.router")
+_record_generate_status = metrics.rpc_status_recorder("Generate")
 decision_log = logging.getLogger("tandem.router.decisions")
 
 _KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
@@ -58,7 +60,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext):
         with server_span(_tracer, "tandem.v1.Router/Generate", context,
-                         {"gen_ai.request.max_tokens": request.max_new_tokens}) as span:
+                         {"gen_ai.request.max_tokens": request.max_new_tokens},
+                         on_status=_record_generate_status) as span:
+            started = time.monotonic()
+            first_token = True
             prepared = await self._prepare(request, context)
             span.set_attributes({"tandem.request_id": prepared.request_id,
                                  "gen_ai.usage.input_tokens": prepared.prompt_tokens})
@@ -84,8 +89,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 try:
                     async for response in call:
                         streamed += len(response.token_ids)
+                        if first_token and response.token_ids:
+                            metrics.TTFT.observe(time.monotonic() - started)
+                            first_token = False
                         if response.HasField("result"):
                             _record_result(span, response.result)
+                            metrics.E2E.observe(time.monotonic() - started)
                         yield router_pb2.RouteResponse(
                             request_id=prepared.request_id, token_ids=response.token_ids, text=response.text,
                             result=response.result if response.HasField("result") else None, worker=backend.name,
@@ -117,7 +126,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 errors[backend.name] = f"{code.name}: {details}"
 
     async def Explain(self, request: router_pb2.ExplainRequest, context: grpc.aio.ServicerContext):
-        with server_span(_tracer, "tandem.v1.Router/Explain", context) as span:
+        with server_span(_tracer, "tandem.v1.Router/Explain", context,
+                         on_status=metrics.rpc_status_recorder("Explain")) as span:
             prepared = await self._prepare(request.request, context)
             _, message = await self._decide(prepared, context, span, exclude=[], errors={})
             return router_pb2.ExplainResponse(decision=message)

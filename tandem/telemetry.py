@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from opentelemetry import propagate, trace
@@ -63,26 +63,30 @@ def wall_time_ns(monotonic_s: float) -> int:
 
 @contextlib.contextmanager
 def server_span(tracer_: trace.Tracer, method: str, context: grpc.aio.ServicerContext,
-                attributes: dict | None = None) -> Iterator[trace.Span]:
+                attributes: dict | None = None,
+                on_status: Callable[[grpc.StatusCode], None] | None = None) -> Iterator[trace.Span]:
     """A SERVER span for one RPC, child of the caller's context, ended with the RPC's real outcome.
 
     The span is passed explicitly, never made current: a streaming handler is an async generator,
     and context variables do not survive its suspension reliably. Cancellation (the client went
     away or its deadline passed) is recorded as an error named "cancelled", which the grpc.aio
-    instrumentation would record as OK.
+    instrumentation would record as OK. ``on_status`` receives the RPC's final status code.
     """
     service, _, name = method.rpartition("/")
     span = tracer_.start_span(
         method, context=incoming_context(context), kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name, **(attributes or {})},
     )
+    code = grpc.StatusCode.OK
     try:
         yield span
     except BaseException as exc:
-        mark_failed(span, exc, context)
+        code = mark_failed(span, exc, context)
         raise
     finally:
         span.end()
+        if on_status is not None:
+            on_status(code)
 
 
 def child_span(tracer_: trace.Tracer, parent: trace.Span, name: str, kind: SpanKind = SpanKind.INTERNAL,
@@ -92,15 +96,16 @@ def child_span(tracer_: trace.Tracer, parent: trace.Span, name: str, kind: SpanK
                               start_time=start_time)
 
 
-def mark_failed(span: trace.Span, exc: BaseException, context=None) -> None:
-    """Record how an RPC ended on ``span``: cancelled, or an error with its gRPC status code."""
+def mark_failed(span: trace.Span, exc: BaseException, context=None) -> grpc.StatusCode:
+    """Record how an RPC ended on ``span`` (cancelled, or an error with its gRPC status code); return the code."""
     if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
+        code = grpc.StatusCode.CANCELLED
         span.set_status(Status(StatusCode.ERROR, "cancelled"))
-        return
-    code = _status_code(exc, context)
+    else:
+        code = _status_code(exc, context)
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {_details(exc, context)}"))
     span.set_attribute("rpc.grpc.status_code", code.value[0])
-    span.set_status(Status(StatusCode.ERROR, f"{code.name}: {_details(exc, context)}"))
+    return code
 
 
 def _status_code(exc: BaseException, context) -> grpc.StatusCode:

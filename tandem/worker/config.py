@@ -31,6 +31,7 @@ class WorkerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     drain_grace_s: float = 30.0
     max_message_bytes: int = 4 << 20
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKER_KINDS:
@@ -71,6 +72,8 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="seconds in-flight streams get to finish after SIGTERM")
     parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", 4 << 20, type=positive_int,
                             help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED")
+    parser.add_env_argument("--metrics-port", "TANDEM_METRICS_PORT", 0, type=port_number,
+                            help="serve Prometheus metrics on this port (0: off)")
     return parser
 
 
@@ -95,6 +98,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
             cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
             drain_grace_s=args.drain_grace_s,
             max_message_bytes=args.max_message_bytes,
+            metrics_port=args.metrics_port,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -84,6 +84,14 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
             await health_servicer.set(service, status)
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        from tandem.worker.metrics import register_engine_state
+
+        register_engine_state(lambda: servicer.engine.state() if servicer.engine is not None else None)
+        start_http_server(config.metrics_port, addr=config.host)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", config.host, config.metrics_port)
     await server.start()
     logger.info("%s worker listening on %s; loading the model", config.kind, address)
 

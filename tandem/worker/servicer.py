@@ -17,9 +17,11 @@ from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request, SamplingParams
 from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.worker import metrics
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.worker")
+_record_generate_status = metrics.rpc_status_recorder("Generate")
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
@@ -86,7 +88,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         with server_span(_tracer, "tandem.v1.Worker/Generate", context,
-                         {"gen_ai.request.max_tokens": request.max_new_tokens}) as span:
+                         {"gen_ai.request.max_tokens": request.max_new_tokens},
+                         on_status=_record_generate_status) as span:
             engine = await self._require_state(context, common_pb2.SERVING_STATE_SERVING)
             engine_request = await self._to_engine_request(request, context)
             span.set_attributes({"tandem.request_id": engine_request.req_id,
@@ -101,6 +104,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished")
                     if output.finished:
                         _record_engine_phases(span, engine_request, output)
+                        metrics.record_finished(output)
                     yield _to_response(engine_request.req_id, output)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

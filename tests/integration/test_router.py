@@ -13,7 +13,9 @@ import pytest
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tandem.launch import free_port
-from tests.integration.workers import NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker
+from tests.integration.workers import (
+    NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics,
+)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.py")]
@@ -176,7 +178,6 @@ def test_invalid_input_names_the_field(stack, request_fields, field):
 
 def test_decisions_are_logged_as_json_lines_and_counted_in_metrics(stack):
     import json
-    import urllib.request
 
     router, _ = stack
     request_id = "logged-decision"
@@ -187,11 +188,15 @@ def test_decisions_are_logged_as_json_lines_and_counted_in_metrics(stack):
     assert entry["event"] == "route" and entry["policy"] == "cost" and entry["chosen"] in ("cpu", "gpu")
     assert {"score_s", "cached_tokens", "pending_prefill_tokens", "pending_decode_tokens", "inflight_requests",
             "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_s", "decode_s"} <= set(entry["scores"][0])
-    port = router.args[router.args.index("--metrics-port") + 1]
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    chosen = [line for line in text.splitlines() if line.startswith("tandem_router_decisions_total{")]
-    assert sum(float(line.rsplit(" ", 1)[1]) for line in chosen) >= 1
-    assert "tandem_router_worker_score_seconds_bucket" in text
+    before = scrape_metrics(router)
+    list(router.stub.Generate(route(list(range(10, 20)), 2), timeout=60))
+    after = scrape_metrics(router)
+    decisions = {key: value for key, value in after.items() if key[0] == "tandem_router_decisions_total"}
+    assert sum(decisions.values()) - sum(v for k, v in before.items() if k[0] == "tandem_router_decisions_total") == 1
+    ok = ("tandem_router_rpcs_total", (("code", "OK"), ("method", "Generate")))
+    assert after[ok] - before.get(ok, 0) == 1
+    assert after[("tandem_router_time_to_first_token_seconds_count", ())] >= 1
+    assert any(key[0] == "tandem_router_worker_score_seconds_bucket" for key in after)
 
 
 def test_no_healthy_worker_gives_unavailable_naming_the_workers(tiny_llama, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
-from tests.integration.workers import WorkerProcess, running_worker
+from tests.integration.workers import WorkerProcess, running_worker, scrape_metrics
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -206,3 +206,28 @@ def test_pending_budgets_move_as_requests_queue_run_and_finish(single_slot_worke
     second.cancel()
     state = wait_until(lambda: (s := estimate(worker)).num_running == 0 and s)
     assert (state.pending_prefill_tokens, state.pending_decode_tokens, state.kv_blocks_used) == (0, 0, 0)
+
+
+def test_metrics_parse_and_move_after_requests(worker):
+    before = scrape_metrics(worker)
+    for i in range(3):
+        generate(worker.stub, prompt_token_ids=ids([7, 8, 9, i]), max_new_tokens=4, sampling=GREEDY, ignore_eos=True)
+    with pytest.raises(grpc.RpcError):
+        generate(worker.stub, prompt_token_ids=ids([]), max_new_tokens=4)
+    after = scrape_metrics(worker)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("tandem_worker_requests_finished_total", finish_reason="length") == 3
+    assert delta("tandem_worker_time_to_first_token_seconds_count") == 3
+    assert delta("tandem_worker_e2e_request_latency_seconds_count") == 3
+    assert delta("tandem_worker_time_per_output_token_seconds_count") == 3
+    assert delta("tandem_worker_rpcs_total", method="Generate", code="OK") == 3
+    assert delta("tandem_worker_rpcs_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert delta("tandem_worker_prefix_cache_queried_tokens_total") == 12
+    assert after[("tandem_worker_requests_running", ())] == 0
+    blocks = sum(after[("tandem_worker_kv_blocks", (("state", s),))] for s in ("used", "cached", "free"))
+    assert blocks == estimate(worker).kv_blocks_total
+    assert after[("tandem_worker_decode_tokens_per_second", ())] > 0

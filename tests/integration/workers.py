@@ -62,3 +62,18 @@ class RouterProcess(ServiceProcess):
                 pass
             time.sleep(0.05)
         raise AssertionError(f"router did not see {healthy} healthy within {timeout} s:\n{self.log()}")
+
+
+def scrape_metrics(process: ServiceProcess) -> dict[tuple[str, tuple], float]:
+    """The process's /metrics (it was started with --metrics-port), parsed as Prometheus text."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = process.args[process.args.index("--metrics-port") + 1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
