@@ -137,13 +137,17 @@ async def _run_in_daemon_thread(work: Callable, stop: asyncio.Event):
     loop = asyncio.get_running_loop()
     result: asyncio.Future = loop.create_future()
 
+    def settle(outcome: BaseException | object, failed: bool) -> None:
+        if not result.done():
+            result.set_exception(outcome) if failed else result.set_result(outcome)
+
     def target() -> None:
         try:
             value = work()
         except BaseException as exc:  # delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: result.done() or result.set_exception(exc))
+            loop.call_soon_threadsafe(settle, exc, True)
         else:
-            loop.call_soon_threadsafe(lambda: result.done() or result.set_result(value))
+            loop.call_soon_threadsafe(settle, value, False)
 
     threading.Thread(target=target, name="tandem-load", daemon=True).start()
     stopped = asyncio.ensure_future(stop.wait())

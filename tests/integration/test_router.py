@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +13,7 @@ from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tandem.launch import free_port
 from tests.integration.workers import (
-    NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics,
+    NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, wait_until,
 )
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
@@ -28,16 +27,6 @@ def route(prompt, max_new_tokens=8, **fields) -> router_pb2.RouteRequest:
 
 def tokens_of(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
-
-
-def wait_until(predicate, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tandem.launch import SERVING, free_port
+from tandem.launch import SERVING
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.integration.workers import RouterProcess, WorkerProcess
 

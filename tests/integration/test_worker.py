@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -10,7 +9,7 @@ import pytest
 
 from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
-from tests.integration.workers import WorkerProcess, running_worker, scrape_metrics
+from tests.integration.workers import WorkerProcess, running_worker, scrape_metrics, wait_until
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -25,16 +24,6 @@ def ids(values) -> worker_pb2.TokenIds:
 
 def estimate(worker: WorkerProcess, prompt=()) -> common_pb2.BackendState:
     return worker.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=list(prompt)), timeout=5)
-
-
-def wait_until(predicate, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def test_streamed_generation_matches_reference(worker, tiny_llama):

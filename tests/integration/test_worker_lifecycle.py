@@ -98,3 +98,12 @@ def test_gpu_worker_on_cpu_configured_through_the_environment(tiny_llama, tmp_pa
         assert "running on the CPU" in worker.log()
     finally:
         assert worker.terminate() == 0
+
+
+def test_a_model_that_cannot_load_ends_the_process_with_the_reason(tmp_path):
+    worker = WorkerProcess(tmp_path / "no-such-model.gguf", tmp_path / "bad.log")
+    try:
+        assert worker.process.wait(60) != 0
+        assert "GGUF file not found" in worker.log()
+    finally:
+        worker.close()

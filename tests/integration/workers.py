@@ -77,3 +77,14 @@ def scrape_metrics(process: ServiceProcess) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def wait_until(predicate, timeout: float = 15.0):
+    """Poll ``predicate`` until it returns something truthy, and return that; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
