@@ -7,13 +7,10 @@ import logging
 import signal
 import sys
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from router_svc.backends import BackendRegistry
 from router_svc.config import RouterConfig, parse_config
 from router_svc.servicer import RouterServicer
+from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
 from tandem.v1 import router_pb2, router_pb2_grpc
 
@@ -37,35 +34,21 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
     registry = BackendRegistry(list(config.workers), fingerprint)
-    server = grpc.aio.server()
+    service = GrpcService(ROUTER_SERVICE, config.host, config.port)
     router_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000), server
+        RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000), service.server
     )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (ROUTER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
-    address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
-    if config.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.metrics_port, addr=config.host)
-        logger.info("Prometheus metrics on http://%s:%d/metrics", config.host, config.metrics_port)
+    serve_metrics(config.host, config.metrics_port)
     registry.start()
-    await server.start()
-    logger.info("router listening on %s, policy %s, model fingerprint %s, workers: %s", address, config.policy,
+    await service.server.start()
+    logger.info("router listening on %s, policy %s, model fingerprint %s, workers: %s", service.address, config.policy,
                 fingerprint[:12], ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
 
     serving = None
     while not stop.is_set():
         now_serving = bool(registry.healthy())
         if now_serving != serving:
-            status = health_pb2.HealthCheckResponse.SERVING if now_serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for service in ("", ROUTER_SERVICE):
-                await health_servicer.set(service, status)
+            await service.set_health(now_serving)
             serving = now_serving
         try:
             await asyncio.wait_for(stop.wait(), HEALTH_POLL_S)
@@ -73,8 +56,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
             pass
 
     logger.info("stopping: in-flight streams get 5 s to finish")
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5.0)
+    await service.health.enter_graceful_shutdown()
+    await service.server.stop(grace=5.0)
     await registry.stop()
     return 0
 

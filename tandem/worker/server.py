@@ -10,11 +10,8 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from tandem.engine.engine import AsyncEngine, LLMEngine
+from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.worker.config import WorkerConfig, default_threads
@@ -62,49 +59,31 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-        ]
-    )
+    service = GrpcService(WORKER_SERVICE, config.host, config.port, options=[
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+    ])
     servicer = WorkerServicer(config.kind)
-    health_servicer = health.aio.HealthServicer()
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (WORKER_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
-    address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
-
-    async def set_health(status: int) -> None:
-        for service in ("", WORKER_SERVICE):
-            await health_servicer.set(service, status)
-
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, service.server)
+    await service.set_health(False)
     if config.metrics_port:
-        from prometheus_client import start_http_server
-
         from tandem.worker.metrics import register_engine_state
 
         register_engine_state(lambda: servicer.engine.state() if servicer.engine is not None else None)
-        start_http_server(config.metrics_port, addr=config.host)
-        logger.info("Prometheus metrics on http://%s:%d/metrics", config.host, config.metrics_port)
-    await server.start()
-    logger.info("%s worker listening on %s; loading the model", config.kind, address)
+        serve_metrics(config.host, config.metrics_port)
+    await service.server.start()
+    logger.info("%s worker listening on %s; loading the model", config.kind, service.address)
 
     loaded = await _run_in_daemon_thread(lambda: load_engine(config), stop)
     if loaded is None:
-        await server.stop(grace=0)
+        await service.server.stop(grace=0)
         return 0
     engine, identity, model_dir = loaded
 
     def on_failure(reason: str) -> None:
         def mark() -> None:
             servicer.mark_failed()
-            asyncio.ensure_future(set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+            asyncio.ensure_future(service.set_health(False))
 
         loop.call_soon_threadsafe(mark)
 
@@ -113,20 +92,20 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     async_engine = AsyncEngine(engine, on_failure=on_failure)
     async_engine.start()
     servicer.attach(async_engine, identity, load_tokenizer(model_dir))
-    await set_health(health_pb2.HealthCheckResponse.SERVING)
+    await service.set_health(True)
     rates = engine.rates.rates()
     logger.info(
         "ready on %s: %s on %s (%s), prefill %.0f tok/s, decode %.0f tok/s",
-        address, identity.model_id, engine.executor.device, identity.dtype, rates.prefill_tok_s, rates.decode_tok_s,
+        service.address, identity.model_id, engine.executor.device, identity.dtype, rates.prefill_tok_s, rates.decode_tok_s,
     )
 
     await stop.wait()
     logger.info("draining: refusing new requests, waiting up to %.0f s for in-flight streams", config.drain_grace_s)
     servicer.drain()
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await service.set_health(False)
     if not await servicer.wait_idle(config.drain_grace_s):
         logger.warning("grace period over; cancelling the streams still in flight")
-    await server.stop(grace=1.0)
+    await service.server.stop(grace=1.0)
     async_engine.stop()
     logger.info("stopped")
     return 0
