@@ -79,10 +79,12 @@ def _call_router(args: argparse.Namespace) -> int:
             print(response.text, end="", flush=True)
             if response.HasField("result"):
                 result = response.result
+                context = span.get_span_context()
+                trace_note = f", trace {context.trace_id:032x}" if context.is_valid else ""
                 print(f"\n[{response.worker}: {result.usage.output_tokens} tokens, "
                       f"{result.usage.cached_tokens}/{result.usage.prompt_tokens} prompt tokens cached, "
-                      f"TTFT {result.timings.ttft_s:.3f} s, total {result.timings.total_time_s:.3f} s, "
-                      f"trace {span.get_span_context().trace_id:032x}]", file=sys.stderr)
+                      f"TTFT {result.timings.ttft_s:.3f} s, total {result.timings.total_time_s:.3f} s{trace_note}]",
+                      file=sys.stderr)
         return 0
     except grpc.RpcError as exc:
         mark_failed(span, exc)
