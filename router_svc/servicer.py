@@ -17,7 +17,7 @@ from router_svc import metrics
 from router_svc.backends import Backend, BackendRegistry
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, RouteInput, WorkerView
 from tandem.engine.errors import InvalidRequestError
-from tandem.engine.request import SamplingParams
+from tandem.protocol import WORKER_KINDS, sampling_params
 from tandem.telemetry import child_span, mark_failed, outgoing_metadata, server_span, tracer
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
@@ -26,8 +26,6 @@ _tracer = tracer("tandem.router")
 _record_generate_status = metrics.rpc_status_recorder("Generate")
 decision_log = logging.getLogger("tandem.router.decisions")
 
-_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 _CHAT_ROLES = ("system", "user", "assistant")
 # Worker errors after which another worker may well succeed.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
@@ -70,10 +68,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             failed: list[str] = []
             errors: dict[str, str] = {}
             while True:
-                decision, message = await self._decide(prepared, context, span, exclude=failed, errors=errors)
-                backend = self.registry.backends[decision.chosen]
+                message = await self._decide(prepared, context, span, exclude=failed, errors=errors)
+                backend = self.registry.backends[message.chosen_worker]
                 self._sequence += 1
-                backend.dispatch(prepared.request_id, _uncached(message, decision.chosen, prepared), prepared.max_new_tokens)
+                backend.dispatch(prepared.request_id, _uncached(message, prepared), prepared.max_new_tokens)
                 _log_decision(prepared.request_id, message)
                 metrics.record_decision(message)
                 yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
@@ -129,7 +127,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         with server_span(_tracer, "tandem.v1.Router/Explain", context,
                          on_status=metrics.rpc_status_recorder("Explain")) as span:
             prepared = await self._prepare(request.request, context)
-            _, message = await self._decide(prepared, context, span, exclude=[], errors={})
+            message = await self._decide(prepared, context, span, exclude=[], errors={})
             return router_pb2.ExplainResponse(decision=message)
 
     async def ListBackends(self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext):
@@ -138,13 +136,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _decide(self, prepared: Prepared, context, parent_span, exclude: list[str], errors: dict[str, str]):
         route_span = child_span(_tracer, parent_span, "route", attributes={"tandem.routing.policy": prepared.policy})
         try:
-            decision, message = await self._score(prepared, context, exclude, errors)
+            message = await self._score(prepared, context, exclude, errors)
         except BaseException as exc:
             mark_failed(route_span, exc, context)
             raise
         else:
             route_span.set_attributes(_decision_attributes(message))
-            return decision, message
+            return message
         finally:
             route_span.end()
 
@@ -165,7 +163,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if errors and all(e.startswith("RESOURCE_EXHAUSTED") for e in errors.values()):
                 code = grpc.StatusCode.RESOURCE_EXHAUSTED
             await context.abort(code, f"{exc}; workers: {states}")
-        return decision, self._decision_message(prepared, decision, views, exclude, errors)
+        return self._decision_message(prepared, decision, views, exclude, errors)
 
     def _decision_message(self, prepared: Prepared, decision: Decision, views: list[WorkerView],
                           exclude: list[str], errors: dict[str, str]) -> router_pb2.RoutingDecision:
@@ -175,7 +173,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             view = by_name[score.worker]
             eligible = math.isfinite(score.score)
             scores.append(router_pb2.WorkerScore(
-                worker=view.name, kind=_KINDS[view.kind], device=view.device, eligible=eligible,
+                worker=view.name, kind=WORKER_KINDS[view.kind], device=view.device, eligible=eligible,
                 reason="" if eligible else f"excluded by policy {decision.policy}",
                 score_s=score.score if eligible else 0.0, cached_tokens=view.cached_tokens,
                 pending_prefill_tokens=view.pending_prefill_tokens, pending_decode_tokens=view.pending_decode_tokens,
@@ -186,7 +184,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         for backend in self.registry.backends.values():
             if backend.name not in by_name:
                 reason = errors.get(backend.name) or ("failed" if backend.name in exclude else backend.describe())
-                scores.append(router_pb2.WorkerScore(worker=backend.name, kind=_KINDS[backend.kind], eligible=False,
+                scores.append(router_pb2.WorkerScore(worker=backend.name, kind=WORKER_KINDS[backend.kind], eligible=False,
                                                      reason=reason))
         return router_pb2.RoutingDecision(
             policy=decision.policy, chosen_worker=decision.chosen, prompt_tokens=prepared.prompt_tokens,
@@ -205,11 +203,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
         if message.max_new_tokens <= 0:
             raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {message.max_new_tokens}")
-        given = {name: getattr(message.sampling, name) for name in _SAMPLING_FIELDS if message.sampling.HasField(name)}
-        try:
-            SamplingParams(**given)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
+        sampling_params(message.sampling)  # validated here, so a bad value never costs a routing decision
         prompt = await self._tokenize(message)
         request_id = message.request_id or uuid.uuid4().hex
         worker_request = worker_pb2.GenerateRequest(
@@ -248,8 +242,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("chat", f"the chat template rejected the messages: {exc}") from None
 
 
-def _uncached(message: router_pb2.RoutingDecision, worker: str, prepared: Prepared) -> int:
-    cached = next(s.cached_tokens for s in message.scores if s.worker == worker)
+def _uncached(message: router_pb2.RoutingDecision, prepared: Prepared) -> int:
+    cached = next(s.cached_tokens for s in message.scores if s.worker == message.chosen_worker)
     return max(0, prepared.prompt_tokens - cached)
 
 
@@ -312,7 +306,7 @@ def _log_decision(request_id: str, message: router_pb2.RoutingDecision) -> None:
 def _backend_message(backend: Backend) -> router_pb2.Backend:
     info = backend.info
     return router_pb2.Backend(
-        name=backend.name, address=backend.address.address, kind=_KINDS[backend.kind],
+        name=backend.name, address=backend.address.address, kind=WORKER_KINDS[backend.kind],
         device=backend.state.device if backend.state is not None else (info.device if info else ""),
         healthy=backend.healthy, status=backend.describe(), state=backend.state,
         model_fingerprint=info.model_fingerprint if info else "", routed_requests=backend.routed_requests,

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from tandem.engine.block_pool import BlockPool, extend_block_hashes, max_cache_hit_blocks
+from tandem.engine.block_pool import BlockPool, KVBlock, extend_block_hashes, max_cache_hit_blocks
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.errors import QueueFullError
 from tandem.engine.request import Request, RequestStatus
@@ -209,11 +209,15 @@ class Scheduler:
             prefix_hit_tokens=self.pool.num_hit_tokens,
         )
 
+    def _cached_blocks(self, request: Request) -> list[KVBlock]:
+        """The cached blocks a prefix hit would give ``request`` now (capped so one token is computed)."""
+        limit = max_cache_hit_blocks(request.num_tokens, self.block_size)
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
+        return self.pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)
+
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         size = self.block_size
-        limit = max_cache_hit_blocks(request.num_tokens, size)
-        extend_block_hashes(request.block_hashes, request.token_ids, size, limit)
-        hits = self.pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)
+        hits = self._cached_blocks(request)
         num_cached = len(hits) * size
         num_new = min(request.num_tokens - num_cached, budget)
         num_needed = -(-(num_cached + num_new) // size) - len(hits)
@@ -268,9 +272,7 @@ class Scheduler:
         request.num_published_blocks = num_full
 
     def _estimate_cache(self, request: Request) -> None:
-        limit = max_cache_hit_blocks(request.num_tokens, self.block_size)
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
-        hits = self.pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)
+        hits = self._cached_blocks(request)
         request.cache_estimate_hashes = [block.block_hash for block in hits]
         request.num_cached_estimate = len(hits) * self.block_size
         for block_hash in request.cache_estimate_hashes:

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.options import EnvArgumentParser, port_number, positive_float, positive_int
-
-WORKER_KINDS = ("cpu", "gpu")
+from tandem.protocol import WORKER_KINDS
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in WORKER_KINDS:
-            raise ValueError(f"kind must be one of {WORKER_KINDS}, got {self.kind!r}")
+            raise ValueError(f"kind must be one of {', '.join(WORKER_KINDS)}, got {self.kind!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_grace_s < 0:

@@ -14,7 +14,8 @@ import grpc
 from tandem.engine.engine import AsyncEngine, EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
-from tandem.engine.request import FinishReason, Request, SamplingParams
+from tandem.engine.request import FinishReason, Request
+from tandem.protocol import WORKER_KINDS, sampling_params
 from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import metrics
@@ -35,7 +36,6 @@ _FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
 }
-_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_fingerprint=identity.model_fingerprint,
             device=state.device,
             dtype=identity.dtype,
-            kind=_KINDS[identity.kind],
+            kind=WORKER_KINDS[identity.kind],
             max_active_requests=state.max_active_requests,
             max_waiting_requests=identity.max_waiting_requests,
             max_num_batched_tokens=identity.max_num_batched_tokens,
@@ -197,7 +197,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             req_id=request_id,
             prompt_token_ids=prompt,
             max_new_tokens=message.max_new_tokens,
-            sampling=_sampling(message),
+            sampling=sampling_params(message.sampling),
             ignore_eos=message.ignore_eos,
             stop_token_ids=frozenset(message.stop_token_ids),
             stop_strings=tuple(message.stop),
@@ -227,7 +227,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             rates=_rates_message(state.rates),
             seq=state.seq,
             device=state.device,
-            kind=_KINDS[self.kind],
+            kind=WORKER_KINDS[self.kind],
             serving_state=serving_state,
             timestamp_s=time.time(),
             requests=[
@@ -237,17 +237,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 for r in load.requests
             ],
         )
-
-
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
-
-
-def _sampling(message: worker_pb2.GenerateRequest) -> SamplingParams:
-    given = {name: getattr(message.sampling, name) for name in _SAMPLING_FIELDS if message.sampling.HasField(name)}
-    try:
-        return SamplingParams(**given)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
 
 
 def _to_response(request_id: str, output: RequestOutput) -> worker_pb2.GenerateResponse:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,11 +12,10 @@ from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tandem.launch import free_port
 from tests.integration.workers import (
-    NOT_SERVING, REPO, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, wait_until,
+    HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, wait_until,
 )
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
-HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.py")]
 
 
 def route(prompt, max_new_tokens=8, **fields) -> router_pb2.RouteRequest:

@@ -11,9 +11,8 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, worker_pb2
-from tests.integration.workers import NOT_SERVING, REPO, SERVING, WorkerProcess
+from tests.integration.workers import HARNESS, NOT_SERVING, REPO, SERVING, WorkerProcess
 
-HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.py")]
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
 

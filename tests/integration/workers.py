@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tandem.launch import NOT_SERVING, SERVING, ServiceProcess  # noqa: F401  (r
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
+HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.py")]  # a worker with faults injected
 
 
 class WorkerProcess(ServiceProcess):
