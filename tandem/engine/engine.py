@@ -310,6 +310,8 @@ class AsyncEngine:
         self._wakeup = threading.Condition(self._lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._executing = False  # a scheduled step is running on the model, outside the lock
+        self._deferred_aborts: list[str] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
@@ -334,8 +336,8 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` and yield its outputs until the last one.
 
-        Closing or abandoning the iterator (or cancelling its task) aborts the request and frees its
-        blocks at once. Validation errors are raised before the first output.
+        Closing or abandoning the iterator (or cancelling its task) aborts the request; its blocks are
+        freed at once, or when the step in flight ends if that step computes it. Validation errors are raised before the first output.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._wakeup:
@@ -356,7 +358,10 @@ class AsyncEngine:
     def abort(self, req_id: str) -> None:
         with self._lock:
             self._streams.pop(req_id, None)
-            if self.engine.abort(req_id) is not None:
+            if self._executing:
+                # The step being executed reads this request's blocks; release them once it ends.
+                self._deferred_aborts.append(req_id)
+            elif self.engine.abort(req_id) is not None:
                 self._notify_watchers()
 
     async def wait_for_change(self, seq: int, timeout: float) -> None:
@@ -397,6 +402,7 @@ class AsyncEngine:
                 if self._stopping:
                     return
                 output = self.engine.schedule()
+                self._executing = bool(output.scheduled)
             if not output.scheduled:
                 time.sleep(0.001)
                 continue
@@ -407,6 +413,7 @@ class AsyncEngine:
                 logger.exception("model step failed; the engine stops")
                 reason = f"model step failed: {type(exc).__name__}: {exc}"
                 with self._lock:
+                    self._end_step()
                     outputs = self.engine.fail_all(reason)
                 self._deliver(outputs)
                 if self._on_failure is not None:
@@ -414,7 +421,15 @@ class AsyncEngine:
                 return
             with self._lock:
                 outputs = self.engine.process(output, sampled, time.perf_counter() - start)
+                self._end_step()
             self._deliver(outputs)
+
+    def _end_step(self) -> None:
+        """Apply the aborts that arrived while the step ran. Call with the lock held."""
+        self._executing = False
+        for req_id in self._deferred_aborts:
+            self.engine.abort(req_id)
+        self._deferred_aborts.clear()
 
     def _notify_watchers(self) -> None:
         """Wake every ``wait_for_change`` caller. Call with the lock held."""

@@ -50,8 +50,9 @@ async def test_closing_the_stream_aborts_and_frees_blocks(engine):
     assert first.token_ids
     assert engine.state().load.num_used_blocks > 0
     await stream.aclose()
+    await wait_until(lambda: engine.state().load.num_used_blocks == 0)  # by the end of the step in flight
     state = engine.state()
-    assert (state.load.num_running, state.load.num_waiting, state.load.num_used_blocks) == (0, 0, 0)
+    assert (state.load.num_running, state.load.num_waiting) == (0, 0)
 
 
 async def test_cancelling_the_consumer_task_aborts(engine):
@@ -64,6 +65,7 @@ async def test_cancelling_the_consumer_task_aborts(engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    await wait_until(lambda: engine.state().load.num_running == 0)
     assert_no_leaks(engine.engine)
 
 
@@ -124,3 +126,31 @@ def test_detokenizer_handles_multibyte_characters_split_across_tokens(tiny_llama
     deltas.append(detokenizer.flush())
     assert "".join(deltas) == text
     assert not any("\ufffd" in delta for delta in deltas)
+
+
+async def test_abort_while_the_step_runs_waits_for_the_step(tiny_llama):
+    """A cancel that lands while the model executes a step must not pull the blocks from under it."""
+    engine = AsyncEngine(make_engine(tiny_llama))
+    execute = engine.engine.executor.execute
+    aborted_mid_step = []
+
+    def execute_then_abort(output):
+        decoding = [item.request.req_id for item in output.scheduled if item.num_new_tokens == 1]
+        if decoding and not aborted_mid_step:
+            aborted_mid_step.append(decoding[0])
+            engine.abort(decoding[0])  # as the gRPC thread would, while this step still runs
+        return execute(output)
+
+    engine.engine.executor.execute = execute_then_abort
+    engine.start()
+    try:
+        tasks = {f"r{i}": asyncio.create_task(collect(engine, greedy_request(f"r{i}", random_prompt(engine.engine, 20, i), 8)))
+                 for i in range(1, 3)}
+        await wait_until(lambda: aborted_mid_step and engine.state().load.num_running == 0)
+        assert engine.healthy
+        survivor = next(task for req_id, task in tasks.items() if req_id != aborted_mid_step[0])
+        assert (await survivor)[-1].finish_reason is FinishReason.LENGTH
+        tasks[aborted_mid_step[0]].cancel()  # its stream was dropped by the abort; nothing more arrives
+        assert_no_leaks(engine.engine)
+    finally:
+        engine.stop()
