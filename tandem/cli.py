@@ -11,6 +11,17 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     from tandem.client import DEFAULT_ROUTER
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:
+        # The simulator lives with the router, whose policies it runs.
+        from router_svc.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from tandem.bench.live import main as bench_main
+
+        return bench_main(argv[1:])
+
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: LLM serving across CPU and GPU workers")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -36,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
     backends = commands.add_parser("backends", help="print the workers' live state")
     backends.add_argument("--router", default=DEFAULT_ROUTER, help="router address [env TANDEM_ROUTER]")
+
+    commands.add_parser("bench", help="drive the router or one worker with a workload (see tandem bench --help)")
+    commands.add_parser("sim", help="simulate routing with the real policy and scheduler (see tandem sim --help)")
 
     args = parser.parse_args(argv)
     if args.command == "provision":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.engine.block_pool import BlockPool, KVBlock, extend_block_hashes, max_cache_hit_blocks
@@ -101,10 +102,13 @@ class Scheduler:
     are admitted in arrival order while slots, token budget and KV blocks allow. When a running
     request needs a block and none is free, the most recently admitted request is preempted: its
     blocks are released and it is recomputed later (its cached prefix usually survives).
+
+    ``clock`` stamps when a request is first scheduled (the simulator passes its virtual clock).
     """
 
-    def __init__(self, config: SchedulerConfig, num_kv_blocks: int):
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock
         self.block_size = config.block_size
         self.pool = BlockPool(num_kv_blocks, config.block_size, on_evict=self._on_evict)
         self.waiting: deque[Request] = deque()
@@ -235,7 +239,7 @@ class Scheduler:
         request.num_prefill_tokens = request.num_tokens
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         self.running.append(request)
         return ScheduledRequest.of(request, num_new)
 

@@ -1,0 +1,229 @@
+"""The simulation loop: arrivals are routed by a real policy over views built from real schedulers, and
+each worker's steps take the time its step model says.
+
+What is simulated: step times (from the model) and the transport (the router sees each worker's state
+at the instant a request arrives, and dispatch is instant). What is real: the policy code, the
+scheduler (admission, chunked prefill, token budget, KV blocks, prefix cache, preemption).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import zlib
+from dataclasses import dataclass, field
+
+from router_svc.policy import POLICIES, Decision, NoEligibleWorker, QueuedWork, RouteInput, WorkerView
+from router_svc.sim.profiles import WorkerProfile
+from tandem.bench.results import OK, RequestRecord, summarize
+from tandem.bench.workloads import Workload, WorkloadRequest
+from tandem.engine.errors import QueueFullError
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
+
+_TOKEN_SPACE = 1 << 20
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimWorker:
+    """A worker: the engine's scheduler driven by a step-time model instead of a model."""
+
+    def __init__(self, name: str, profile: WorkerProfile, clock: VirtualClock):
+        self.name = name
+        self.profile = profile
+        self.clock = clock
+        self.scheduler = Scheduler(profile.scheduler, profile.num_kv_blocks, clock=clock)
+        self.rates = profile.step.fitted_rates(profile.scheduler)
+        self.step_output: SchedulerOutput | None = None
+        self.step_end = 0.0
+        self.output_targets: dict[str, int] = {}
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.max_running = 0
+
+    def view(self, prompt_token_ids: tuple[int, ...]) -> WorkerView:
+        load = self.scheduler.load()
+        rates = self.rates
+        return WorkerView(
+            name=self.name,
+            kind=self.profile.kind,
+            cached_tokens=self.scheduler.pool.cached_prefix_len(prompt_token_ids),
+            pending_prefill_tokens=load.running_prefill_tokens + load.waiting_prefill_tokens,
+            pending_decode_tokens=load.running_decode_budget + load.waiting_decode_budget,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            max_active_requests=self.profile.scheduler.max_active_requests,
+            prefill_tok_s=rates.prefill_tok_s,
+            decode_tok_s=rates.decode_tok_s,
+            step_base_s=rates.step_base_s,
+            step_per_prefill_token_s=rates.step_per_prefill_token_s,
+            step_per_decode_s=rates.step_per_decode_s,
+            max_num_batched_tokens=self.profile.scheduler.max_num_batched_tokens,
+            queue=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_budget) for r in load.requests),
+            device=f"sim-{self.profile.kind}",
+        )
+
+    def fits(self, request: WorkloadRequest) -> bool:
+        """The engine's admission check: prompt plus budget must fit the KV cache at all."""
+        blocks = -(-(len(request.prompt_token_ids) + request.max_new_tokens) // self.profile.scheduler.block_size)
+        return blocks <= self.profile.num_kv_blocks
+
+    def add(self, request: WorkloadRequest) -> Request:
+        """Queue a request (QueueFullError when the waiting queue is full)."""
+        engine_request = Request(request.req_id, list(request.prompt_token_ids), request.max_new_tokens,
+                                 ignore_eos=True, arrival_time=self.clock.now)
+        self.scheduler.add_request(engine_request)
+        self.output_targets[request.req_id] = request.output_tokens
+        return engine_request
+
+    @property
+    def busy(self) -> bool:
+        return self.step_output is not None
+
+    def start_step(self) -> bool:
+        """Schedule a step now; False when there is nothing to run."""
+        if not self.scheduler.has_work():
+            return False
+        output = self.scheduler.schedule()
+        self.num_preemptions += len(output.preempted)
+        self.max_running = max(self.max_running, len(self.scheduler.running))
+        if not output.scheduled:
+            return False
+        seconds = self.profile.step.seconds(output.num_prefill_tokens, output.num_decode_requests)
+        self.step_output, self.step_end = output, self.clock.now + seconds
+        self.busy_s += seconds
+        self.num_steps += 1
+        return True
+
+    def finish_step(self) -> list[Request]:
+        """Apply the step that ends now; returns the requests that finished."""
+        output, self.step_output = self.step_output, None
+        sampled = [_token(item.request) if item.samples else None for item in output.scheduled]
+        finished = []
+        for request in self.scheduler.update_from_output(output, sampled):
+            if request.first_token_time is None:
+                request.first_token_time = self.clock.now
+            if request.num_output_tokens >= self.output_targets[request.req_id]:
+                status = RequestStatus.FINISHED_LENGTH if request.decode_budget == 0 else RequestStatus.FINISHED_EOS
+                self.scheduler.finish(request, status)
+                del self.output_targets[request.req_id]
+                finished.append(request)
+        return finished
+
+    def warm(self, prefix: tuple[int, ...]) -> None:
+        """Compute ``prefix`` once so its blocks are cached, outside simulated time."""
+        self.scheduler.add_request(Request(f"warm-{zlib.crc32(bytes(str(prefix), 'ascii'))}", list(prefix), 1,
+                                           ignore_eos=True))
+        while self.scheduler.has_work():
+            output = self.scheduler.schedule()
+            sampled = [0 if item.samples else None for item in output.scheduled]
+            for request in self.scheduler.update_from_output(output, sampled):
+                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+
+
+def _token(request: Request) -> int:
+    """A deterministic generated token: distinct per request and position, so outputs never collide."""
+    return (request.num_tokens * 2654435761 + zlib.crc32(request.req_id.encode())) % _TOKEN_SPACE
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workers: dict[str, WorkerProfile]
+    records: list[RequestRecord]
+    decisions: list[tuple[str, Decision]] = field(default_factory=list)
+    worker_stats: dict[str, dict] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        summary = summarize(self.records, list(self.workers))
+        summary["policy"] = self.policy
+        summary["offloaded_to_cpu"] = sum(n for name, n in summary["requests_per_worker"].items()
+                                          if self.workers[name].kind == "cpu")
+        summary["workers"] = self.worker_stats
+        return summary
+
+
+def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str = "cost",
+             keep_decisions: bool = False) -> SimResult:
+    """Run ``workload`` through ``policy`` over simulated ``workers`` and return every request's record."""
+    decide = POLICIES[policy]
+    clock = VirtualClock()
+    sim_workers = [SimWorker(name, profile, clock) for name, profile in workers.items()]
+    for worker in sim_workers:
+        for prefix in workload.warm_prefixes:
+            worker.warm(prefix)
+    result = SimResult(policy, dict(workers), [])
+    pending: dict[str, tuple[float, str]] = {}  # req_id -> (arrival, worker)
+    steps: list[tuple[float, int, int]] = []  # (end time, worker index, tie-breaker)
+    order = itertools.count()
+    arrivals = iter(sorted(workload.requests, key=lambda r: r.arrival_s))
+    next_arrival = next(arrivals, None)
+
+    def start(index: int) -> None:
+        worker = sim_workers[index]
+        if not worker.busy and worker.start_step():
+            heapq.heappush(steps, (worker.step_end, index, next(order)))
+
+    for sequence in itertools.count():
+        if steps and (next_arrival is None or steps[0][0] <= next_arrival.arrival_s):
+            clock.now, index, _ = heapq.heappop(steps)
+            worker = sim_workers[index]
+            for request in worker.finish_step():
+                arrival_s, name = pending.pop(request.req_id)
+                result.records.append(RequestRecord(request.req_id, name, arrival_s, request.first_token_time,
+                                                    clock.now, request.num_output_tokens, OK,
+                                                    request.num_cached_tokens))
+            start(index)
+        elif next_arrival is not None:
+            request, next_arrival = next_arrival, next(arrivals, None)
+            clock.now = request.arrival_s
+            _route(request, sim_workers, decide, sequence, result, pending, keep_decisions)
+            for index in range(len(sim_workers)):
+                start(index)
+        else:
+            break
+    if pending:
+        raise RuntimeError(f"simulation stalled with {len(pending)} requests unfinished (first: {next(iter(pending))})")
+    for worker in sim_workers:
+        result.worker_stats[worker.name] = {
+            "kind": worker.profile.kind,
+            "busy_s": worker.busy_s,
+            "steps": worker.num_steps,
+            "preemptions": worker.num_preemptions,
+            "max_running": worker.max_running,
+            "max_active_requests": worker.profile.scheduler.max_active_requests,
+            "kv_blocks": worker.profile.num_kv_blocks,
+            "prefill_tok_s": worker.rates.prefill_tok_s,
+            "decode_tok_s": worker.rates.decode_tok_s,
+        }
+    return result
+
+
+def _route(request: WorkloadRequest, workers: list[SimWorker], decide, sequence: int, result: SimResult,
+           pending: dict, keep_decisions: bool) -> None:
+    eligible = [w for w in workers if w.fits(request)]
+    views = [w.view(request.prompt_token_ids) for w in eligible]
+    try:
+        decision = decide(views, RouteInput(len(request.prompt_token_ids), request.max_new_tokens, sequence))
+    except NoEligibleWorker:
+        status = "INVALID_ARGUMENT" if not eligible else "UNAVAILABLE"
+        result.records.append(RequestRecord(request.req_id, "", request.arrival_s, None, request.arrival_s, 0, status))
+        return
+    worker = next(w for w in eligible if w.name == decision.chosen)
+    try:
+        worker.add(request)
+    except QueueFullError:
+        result.records.append(RequestRecord(request.req_id, worker.name, request.arrival_s, None, request.arrival_s,
+                                            0, "RESOURCE_EXHAUSTED"))
+        return
+    pending[request.req_id] = (request.arrival_s, worker.name)
+    if keep_decisions:
+        result.decisions.append((request.req_id, decision))

@@ -1,0 +1,88 @@
+"""The simulator: real policy and scheduler, linear step times, deterministic and fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router_svc.sim.cli import main as sim_main
+from router_svc.sim.profiles import StepTimeModel, seed_m2
+from router_svc.sim.simulator import simulate
+from tandem.bench.workloads import long_context, seed_burst
+from tandem.engine.config import SchedulerConfig
+
+
+def test_profile_rates_become_step_times_that_report_the_same_rates():
+    profile = seed_m2()
+    for worker, (prefill, decode) in ((profile.cpu, (73, 45)), (profile.gpu, (2551, 293))):
+        rates = worker.step.fitted_rates(worker.scheduler)
+        assert rates.prefill_tok_s == pytest.approx(prefill) and rates.decode_tok_s == pytest.approx(decode)
+        # batch 4 decode step = 4 / rate, of which 21% is the fixed cost
+        assert worker.step.seconds(0, 4) == pytest.approx(4 / decode)
+        assert worker.step.base_s == pytest.approx(0.21 * 4 / decode)
+
+
+def test_step_model_rejects_a_chunk_cheaper_than_the_fixed_cost():
+    with pytest.raises(ValueError, match="prefill chunk"):
+        StepTimeModel.from_rates(1e9, 1.0, 512, 4, 0.5)
+
+
+def test_seed_burst_reproduces_the_articles_first_offload_at_request_8():
+    result = simulate(seed_m2().workers(), seed_burst(8, 32000), "cost", keep_decisions=True)
+    chosen = [decision.chosen for _, decision in result.decisions]
+    assert chosen == ["gpu-0"] * 7 + ["cpu-0"]
+    cpu_score = next(s.score for s in result.decisions[0][1].scores if s.worker == "cpu-0")
+    assert cpu_score == pytest.approx(20 / 73 + 128 / 45)  # the idle CPU's 3.118 s
+    summary = result.summary()
+    assert summary["offloaded_to_cpu"] == 1 and summary["outcomes"] == {"OK": 8}
+    assert summary["output_tokens"] == 8 * 128
+    assert all(r.cached_tokens == 496 for r in result.records)
+
+
+def test_gpu_only_never_offloads_and_four_requests_stay_on_the_gpu():
+    assert simulate(seed_m2().workers(), seed_burst(48, 32000), "gpu_only").summary()["offloaded_to_cpu"] == 0
+    assert simulate(seed_m2().workers(), seed_burst(4, 32000), "cost").summary()["offloaded_to_cpu"] == 0
+
+
+def test_the_simulation_is_deterministic():
+    def run():
+        return simulate(seed_m2().workers(cpu_workers=2), seed_burst(48, 32000, output_fraction=0.5), "finish_time")
+
+    first, second = run(), run()
+    assert first.records == second.records
+    assert first.summary() == second.summary()
+
+
+def test_kv_capacity_caps_concurrency_as_in_the_real_scheduler():
+    profile = seed_m2(gpu_kv_bytes=3 * 2200 * 12288)  # room for three 2048 + 128 token requests
+    blocks_per_request = -(-(2048 + 128) // 16)
+    assert 3 * blocks_per_request <= profile.gpu.num_kv_blocks < 4 * blocks_per_request
+    result = simulate(profile.workers(cpu_workers=0, gpu_max_active=16), long_context(12, 32000, context_tokens=2048),
+                      "gpu_only")
+    stats = result.summary()["workers"]["gpu-0"]
+    assert stats["max_running"] <= 4 and stats["max_running"] < 16
+    assert result.summary()["outcomes"] == {"OK": 12}
+
+
+def test_worker_names_and_counts_follow_the_options():
+    workers = seed_m2().workers(cpu_workers=3, gpu_max_active=8)
+    assert list(workers) == ["gpu-0", "cpu-0", "cpu-1", "cpu-2"]
+    assert workers["gpu-0"].scheduler.max_active_requests == 8
+    assert workers["cpu-0"].scheduler == SchedulerConfig(max_active_requests=4, max_num_batched_tokens=512)
+
+
+def test_cli_prints_the_documented_json(capsys):
+    assert sim_main(["--profile", "seed-m2", "--workload", "seed-burst", "--requests", "48", "--policy", "cost",
+                     "--json", "--cpu-workers", "2", "--gpu-max-active", "8", "--seed", "1"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    for key in ("makespan_s", "output_tok_s", "ttft_p50_s", "ttft_p95_s"):
+        assert payload[key] > 0
+    assert set(payload["requests_per_worker"]) == {"gpu-0", "cpu-0", "cpu-1"}
+    assert sum(payload["requests_per_worker"].values()) == 48
+
+
+def test_cli_rejects_bad_options_with_their_names(capsys):
+    with pytest.raises(SystemExit):
+        sim_main(["--gpu-max-active", "0"])
+    assert "--gpu-max-active" in capsys.readouterr().err
