@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router clean
 
 setup: $(VENV)/.installed proto model
 
@@ -41,6 +41,12 @@ bench-engine: setup
 
 bench-worker: setup
 	$(PY) bench/worker.py
+
+bench-seed: setup
+	$(PY) bench/seed.py
+
+bench-router: setup
+	$(PY) bench/router.py
 
 clean:
 	rm -rf $(VENV) tandem/v1 bench/results

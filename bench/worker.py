@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import threading
 import time
 from pathlib import Path
 
+from tandem.bench.results import percentile
 from tandem.launch import ServiceProcess
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -22,10 +22,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
-    ordered = sorted(samples_s)
-    pick = lambda q: ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]  # noqa: E731
-    return {"p50_ms": 1000 * statistics.median(ordered), "p95_ms": 1000 * pick(0.95), "p99_ms": 1000 * pick(0.99),
-            "max_ms": 1000 * ordered[-1]}
+    samples_ms = [1000 * s for s in samples_s]
+    return {"p50_ms": percentile(samples_ms, 50), "p95_ms": percentile(samples_ms, 95),
+            "p99_ms": percentile(samples_ms, 99), "max_ms": max(samples_ms)}
 
 
 def time_estimates(stub, prompt: list[int], count: int) -> list[float]:

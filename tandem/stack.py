@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.launch import ServiceProcess
@@ -18,9 +19,34 @@ def _raise_stop(signum, frame) -> None:
     raise _Stop
 
 
-def run_stack(model: str | None, router_port: int, cpu_port: int, gpu_port: int, log_dir: Path,
-              host: str = "127.0.0.1") -> int:
-    """Start both workers and the router, wait until all are healthy, and run until Ctrl-C or SIGTERM."""
+@dataclass
+class Stack:
+    """cpu_worker, gpu_worker and the router as local processes."""
+
+    cpu: ServiceProcess
+    gpu: ServiceProcess
+    router: ServiceProcess
+    notice: str
+
+    @property
+    def services(self) -> list[ServiceProcess]:
+        return [self.cpu, self.gpu, self.router]
+
+    def wait_for_health(self, announce=lambda service: None) -> None:
+        for service in self.services:
+            service.wait_for_health()
+            announce(service)
+
+    def stop(self) -> dict[str, int]:
+        """SIGTERM each service, router first; their exit codes."""
+        return {service.name: service.terminate() for service in reversed(self.services)}
+
+
+def start_stack(model: str | None, log_dir: Path, host: str = "127.0.0.1", router_port: int | None = None,
+                cpu_port: int | None = None, gpu_port: int | None = None, cpu_args: tuple[str, ...] = (),
+                gpu_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()) -> Stack:
+    """Start both workers and the router (not yet healthy). Without CUDA, gpu_worker runs with
+    ``--device cpu`` and the cores are split between the two workers."""
     import torch
 
     from tandem.worker.config import default_threads
@@ -28,34 +54,48 @@ def run_stack(model: str | None, router_port: int, cpu_port: int, gpu_port: int,
     cores = default_threads()
     model_args = ["--model", model] if model else []
     if torch.cuda.is_available():
-        gpu_args, cpu_threads = [], cores
-        print(f"gpu_worker: CUDA device {torch.cuda.get_device_name(0)}")
+        device_args, cpu_threads = [], cores
+        notice = f"gpu_worker: CUDA device {torch.cuda.get_device_name(0)}"
     else:
         cpu_threads = max(1, cores // 2)
-        gpu_args = ["--device", "cpu", "--threads", str(max(1, cores - cpu_threads))]
-        print("notice: no CUDA GPU here; gpu_worker runs with --device cpu (its reports say device=cpu), "
-              f"and the {cores} cores are split between the two workers")
-    signal.signal(signal.SIGTERM, _raise_stop)
-    services: list[ServiceProcess] = []
+        device_args = ["--device", "cpu", "--threads", str(max(1, cores - cpu_threads))]
+        notice = ("notice: no CUDA GPU here; gpu_worker runs with --device cpu (its reports say device=cpu), "
+                  f"and the {cores} cores are split between the two workers")
+    started: list[ServiceProcess] = []
     try:
-        services.append(ServiceProcess("cpu_worker", "cpu_worker", [*model_args, "--threads", str(cpu_threads)],
-                                       log_dir / "cpu_worker.log", host, cpu_port))
-        services.append(ServiceProcess("gpu_worker", "gpu_worker", [*model_args, *gpu_args],
-                                       log_dir / "gpu_worker.log", host, gpu_port))
-        services.append(ServiceProcess(
+        started.append(ServiceProcess("cpu_worker", "cpu_worker",
+                                      [*model_args, "--threads", str(cpu_threads), *cpu_args],
+                                      log_dir / "cpu_worker.log", host, cpu_port))
+        started.append(ServiceProcess("gpu_worker", "gpu_worker", [*model_args, *device_args, *gpu_args],
+                                      log_dir / "gpu_worker.log", host, gpu_port))
+        cpu, gpu = started
+        started.append(ServiceProcess(
             "router", "router_svc",
-            [*model_args, "--worker", f"cpu=cpu@{host}:{cpu_port}", "--worker", f"gpu=gpu@{host}:{gpu_port}"],
+            [*model_args, "--worker", f"cpu=cpu@{cpu.address}", "--worker", f"gpu=gpu@{gpu.address}", *router_args],
             log_dir / "router.log", host, router_port,
         ))
-        print(f"starting cpu_worker ({host}:{cpu_port}), gpu_worker ({host}:{gpu_port}), router ({host}:{router_port}); "
-              f"logs in {log_dir}/ ...", flush=True)
-        for service in services:
-            service.wait_for_health()
-            print(f"  {service.name} is healthy", flush=True)
-        print(_instructions(f"{host}:{router_port}"), flush=True)
-        while all(service.alive for service in services):
+    except BaseException:
+        for service in started:
+            service.close()
+        raise
+    return Stack(*started, notice)
+
+
+def run_stack(model: str | None, router_port: int, cpu_port: int, gpu_port: int, log_dir: Path,
+              host: str = "127.0.0.1") -> int:
+    """Start both workers and the router, wait until all are healthy, and run until Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, _raise_stop)
+    stack = None
+    try:
+        stack = start_stack(model, log_dir, host, router_port, cpu_port, gpu_port)
+        print(stack.notice)
+        print(f"starting cpu_worker ({stack.cpu.address}), gpu_worker ({stack.gpu.address}), "
+              f"router ({stack.router.address}); logs in {log_dir}/ ...", flush=True)
+        stack.wait_for_health(lambda service: print(f"  {service.name} is healthy", flush=True))
+        print(_instructions(stack.router.address), flush=True)
+        while all(service.alive for service in stack.services):
             time.sleep(0.5)
-        dead = [s.name for s in services if not s.alive]
+        dead = [s.name for s in stack.services if not s.alive]
         print(f"{', '.join(dead)} exited; stopping the stack. See the logs in {log_dir}/", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, _Stop):
@@ -66,9 +106,9 @@ def run_stack(model: str | None, router_port: int, cpu_port: int, gpu_port: int,
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        for service in reversed(services):
-            code = service.terminate()
-            print(f"  {service.name} stopped (exit code {code})", flush=True)
+        if stack is not None:
+            for name, code in stack.stop().items():
+                print(f"  {name} stopped (exit code {code})", flush=True)
 
 
 def _instructions(router: str) -> str:

@@ -65,3 +65,20 @@ def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def lines(series: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str, title: str,
+          log_x: bool = False) -> None:
+    """One marked line per label through its (x, y) points."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in series.items():
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)

@@ -112,19 +112,27 @@ def poisson(num_requests: int, vocab_size: int, *, seed: int = 0, rate_per_s: fl
 
 
 def long_context(num_requests: int, vocab_size: int, *, context_tokens: int, seed: int = 0,
-                 interval_s: float = 0.05, max_new_tokens: int = 128) -> Workload:
-    """A burst of requests, each with its own uncached context of ``context_tokens`` tokens: every request
-    holds ``context_tokens + max_new_tokens`` tokens of KV, so KV capacity caps a worker's concurrency."""
-    _check(num_requests=num_requests, context_tokens=context_tokens, max_new_tokens=max_new_tokens)
+                 interval_s: float = 0.05, max_new_tokens: int = 128, warmed: bool = False,
+                 new_turn_tokens: int = 20) -> Workload:
+    """A burst of requests, each with its own context of ``context_tokens`` tokens: every request holds
+    its whole context in KV, so KV capacity caps a worker's concurrency.
+
+    With ``warmed``, each context is a conversation history already computed on every worker (as far
+    as its cache holds it), and the prompt adds a new turn of ``new_turn_tokens``.
+    """
+    _check(num_requests=num_requests, context_tokens=context_tokens, max_new_tokens=max_new_tokens,
+           new_turn_tokens=new_turn_tokens)
     rng = random.Random(seed)
+    contexts = [_tokens(rng, context_tokens, vocab_size) for _ in range(num_requests)]
+    turn = new_turn_tokens if warmed else 0
     requests = tuple(
-        WorkloadRequest(f"long-{index:05d}", index * interval_s, _tokens(rng, context_tokens, vocab_size),
+        WorkloadRequest(f"long-{index:05d}", index * interval_s, context + _tokens(rng, turn, vocab_size),
                         max_new_tokens, max_new_tokens)
-        for index in range(num_requests)
+        for index, context in enumerate(contexts)
     )
-    parameters = (("context_tokens", context_tokens), ("interval_s", interval_s), ("max_new_tokens", max_new_tokens),
-                  ("seed", seed))
-    return Workload("long-context", requests, (), parameters)
+    parameters = (("context_tokens", context_tokens), ("warmed", warmed), ("interval_s", interval_s),
+                  ("max_new_tokens", max_new_tokens), ("seed", seed))
+    return Workload("long-context", requests, tuple(contexts) if warmed else (), parameters)
 
 
 WORKLOADS = {"seed-burst": seed_burst, "poisson": poisson, "long-context": long_context}

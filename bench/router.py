@@ -1,0 +1,149 @@
+"""`make bench-router`: what the router adds, and how long each policy takes to decide.
+
+1. Overhead: the same requests, interleaved, sent directly to gpu_worker and through the router (policy
+   gpu_only, so the router picks that same worker after probing both workers with Estimate). TTFT and
+   time per output token are compared by median and p99.
+2. Decision time of every policy over simulated snapshots of 2, 8 and 64 workers.
+
+Writes bench/results/router.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from router_svc.policy import POLICIES, QueuedWork, RouteInput, WorkerView
+from tandem.bench.results import percentile, write_json
+from tandem.v1 import common_pb2, router_pb2, worker_pb2
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _timed_stream(responses) -> tuple[float, float]:
+    """(TTFT, time per output token after the first) of one streamed generation."""
+    start = time.perf_counter()
+    token_times = []
+    for response in responses:
+        if response.token_ids:
+            token_times.extend([time.perf_counter()] * len(response.token_ids))
+    ttft = token_times[0] - start
+    return ttft, (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
+
+def measure_overhead(count: int, max_new_tokens: int) -> dict:
+    from tandem.engine.model.loader import resolve_model
+    from tandem.stack import start_stack
+    from tandem.v1 import router_pb2_grpc, worker_pb2_grpc
+
+    stack = start_stack(str(resolve_model(None)), RESULTS / "router-logs")
+    try:
+        stack.wait_for_health()
+        router = router_pb2_grpc.RouterStub(stack.router.channel)
+        worker = worker_pb2_grpc.WorkerStub(stack.gpu.channel)
+        _wait_for_backends(router)
+        rng = random.Random(0)
+        prompt = [rng.randrange(10, 40000) for _ in range(64)]
+        sampling = common_pb2.SamplingParams(temperature=0.0)
+        ids = worker_pb2.TokenIds(ids=prompt)
+        direct_request = worker_pb2.GenerateRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens,
+                                                    sampling=sampling, ignore_eos=True)
+        routed_request = router_pb2.RouteRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                                 ignore_eos=True, policy="gpu_only")
+        for _ in range(3):  # warm both paths and the prefix cache
+            _timed_stream(worker.Generate(direct_request, timeout=60))
+            _timed_stream(router.Generate(routed_request, timeout=60))
+        direct, routed = [], []
+        for index in range(count):
+            pair = [(direct, lambda: worker.Generate(direct_request, timeout=60)),
+                    (routed, lambda: router.Generate(routed_request, timeout=60))]
+            for samples, call in pair if index % 2 == 0 else reversed(pair):
+                samples.append(_timed_stream(call()))
+    finally:
+        stack.stop()
+
+    def stats(samples: list[tuple[float, float]], position: int) -> dict:
+        values = [s[position] * 1000 for s in samples]
+        return {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
+
+    result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens}
+    for name, position in (("ttft", 0), ("tpot", 1)):
+        direct_stats, routed_stats = stats(direct, position), stats(routed, position)
+        result[name] = {"direct": direct_stats, "routed": routed_stats,
+                        "added_p50_ms": routed_stats["p50_ms"] - direct_stats["p50_ms"],
+                        "added_p99_ms": routed_stats["p99_ms"] - direct_stats["p99_ms"]}
+    return result
+
+
+def _wait_for_backends(router, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        backends = router.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends
+        if backends and all(b.healthy for b in backends):
+            return
+        time.sleep(0.1)
+    raise TimeoutError("the router did not see its workers healthy")
+
+
+def snapshot(num_workers: int, seed: int = 0) -> list[WorkerView]:
+    """Busy workers: a quarter are GPUs with 4 running and a few waiting, the rest CPUs with 1-2 running."""
+    rng = random.Random(seed)
+    views = []
+    for index in range(num_workers):
+        gpu = index % 4 == 0
+        running = 4 if gpu else rng.randint(1, 2)
+        waiting = rng.randint(0, 4) if gpu else 0
+        queue = tuple(QueuedWork(True, 0, rng.randint(1, 128)) for _ in range(running))
+        queue += tuple(QueuedWork(False, 20, 128) for _ in range(waiting))
+        views.append(WorkerView(
+            name=f"{'gpu' if gpu else 'cpu'}-{index}", kind="gpu" if gpu else "cpu", cached_tokens=496,
+            pending_prefill_tokens=sum(w.prefill_tokens for w in queue),
+            pending_decode_tokens=sum(w.decode_tokens for w in queue), num_running=running, num_waiting=waiting,
+            max_active_requests=4, prefill_tok_s=2551.0 if gpu else 73.0, decode_tok_s=293.0 if gpu else 45.0,
+            step_base_s=0.0029 if gpu else 0.0187, step_per_prefill_token_s=0.00039 if gpu else 0.0137,
+            step_per_decode_s=0.0027 if gpu else 0.0176, queue=queue))
+    return views
+
+
+def measure_decisions(repeats: int) -> dict:
+    request = RouteInput(prompt_tokens=516, max_new_tokens=128)
+    result = {}
+    for num_workers in (2, 8, 64):
+        views = snapshot(num_workers)
+        for name, decide in POLICIES.items():
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                decide(views, request)
+                samples.append((time.perf_counter() - start) * 1e6)
+            result.setdefault(name, {})[str(num_workers)] = {"p50_us": percentile(samples, 50),
+                                                             "p99_us": percentile(samples, 99)}
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200, help="requests on each path")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--decision-repeats", type=int, default=2000)
+    args = parser.parse_args()
+    report = {"decision_time": measure_decisions(args.decision_repeats),
+              "overhead": measure_overhead(args.requests, args.max_new_tokens)}
+    write_json(RESULTS / "router.json", report)
+    overhead = report["overhead"]
+    print(f"TTFT direct p50 {overhead['ttft']['direct']['p50_ms']:.2f} ms, routed p50 "
+          f"{overhead['ttft']['routed']['p50_ms']:.2f} ms: added p50 {overhead['ttft']['added_p50_ms']:.2f} ms, "
+          f"p99 {overhead['ttft']['added_p99_ms']:.2f} ms")
+    print(f"TPOT added p50 {overhead['tpot']['added_p50_ms']:.3f} ms, p99 {overhead['tpot']['added_p99_ms']:.3f} ms")
+    print(f"{'policy':<14}" + "".join(f"{n:>12}" for n in ("2 workers", "8 workers", "64 workers")) + "   (p50 µs)")
+    for name, by_size in report["decision_time"].items():
+        print(f"{name:<14}" + "".join(f"{by_size[n]['p50_us']:>12.1f}" for n in ("2", "8", "64")))
+    print(f"wrote {RESULTS / 'router.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
