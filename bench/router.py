@@ -127,7 +127,7 @@ def measure_decisions(repeats: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="requests on each path")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--decision-repeats", type=int, default=2000)
     args = parser.parse_args()
     report = {"decision_time": measure_decisions(args.decision_repeats),

@@ -74,8 +74,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 backend.dispatch(prepared.request_id, _uncached(message, prepared), prepared.max_new_tokens)
                 _log_decision(prepared.request_id, message)
                 metrics.record_decision(message)
-                yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
-
                 client = child_span(_tracer, span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
                     "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
                     "server.address": backend.address.host, "server.port": backend.address.port,
@@ -85,6 +83,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                              metadata=outgoing_metadata(client))
                 streamed = 0
                 try:
+                    # The worker call is already under way while the decision goes out.
+                    yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
                     async for response in call:
                         streamed += len(response.token_ids)
                         if first_token and response.token_ids:
