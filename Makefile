@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router soak clean
 
 setup: $(VENV)/.installed proto model
 
@@ -47,6 +47,11 @@ bench-seed: setup
 
 bench-router: setup
 	$(PY) bench/router.py
+
+# A mixed load with worker kills for SOAK_S seconds (default 600): bench/results/soak.json.
+SOAK_S ?= 600
+soak: setup
+	$(PY) bench/soak.py --duration-s $(SOAK_S)
 
 clean:
 	rm -rf $(VENV) tandem/v1 bench/results

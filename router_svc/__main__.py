@@ -7,9 +7,11 @@ import logging
 import signal
 import sys
 
+from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry
 from router_svc.config import RouterConfig, parse_config
 from router_svc.servicer import RouterServicer
+from tandem.security import BearerTokenAuth
 from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
 from tandem.v1 import router_pb2, router_pb2_grpc
@@ -33,16 +35,23 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     model_dir = await asyncio.to_thread(resolve_model, config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
-    registry = BackendRegistry(list(config.workers), fingerprint)
-    service = GrpcService(ROUTER_SERVICE, config.host, config.port)
+    registry = BackendRegistry(list(config.workers), fingerprint, config.worker_tls)
+    auth = [BearerTokenAuth(config.auth_tokens)] if config.auth_tokens else []
+    service = GrpcService(ROUTER_SERVICE, config.host, config.port, tls=config.tls, interceptors=auth, options=[
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+    ])
     router_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000), service.server
+        RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000,
+                       Admission(config.max_inflight, config.max_queued, config.queue_timeout_s)),
+        service.server,
     )
     serve_metrics(config.host, config.metrics_port)
     registry.start()
     await service.server.start()
-    logger.info("router listening on %s, policy %s, model fingerprint %s, workers: %s", service.address, config.policy,
-                fingerprint[:12], ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
+    logger.info("router listening on %s (%s%s), policy %s, model fingerprint %s, workers (%s): %s", service.address,
+                "TLS" if config.tls else "plaintext", ", bearer tokens" if config.auth_tokens else "", config.policy,
+                fingerprint[:12], "TLS" if config.worker_tls else "plaintext",
+                ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
 
     serving = None
     while not stop.is_set():

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.policy import QueuedWork, WorkerView
+from tandem.security import ClientTLS, aio_channel
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class Backend:
         self.name = address.name
         self.kind = address.kind
         self._registry = registry
-        self.channel = grpc.aio.insecure_channel(address.address)
+        self.channel = aio_channel(address.address, registry.tls)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.GetInfoResponse | None = None
@@ -178,9 +179,12 @@ class BackendRegistry:
     Args:
         reference_fingerprint: the fingerprint of the model the router was configured with; when None,
             the first fingerprint a worker reports becomes the reference.
+        tls: TLS (and mTLS) settings for the channels to the workers; None for plaintext.
     """
 
-    def __init__(self, addresses: list[WorkerAddress], reference_fingerprint: str | None = None):
+    def __init__(self, addresses: list[WorkerAddress], reference_fingerprint: str | None = None,
+                 tls: ClientTLS | None = None):
+        self.tls = tls
         names = [a.name for a in addresses]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique: {names}")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from router_svc.backends import WorkerAddress
 from router_svc.policy import DEFAULT_POLICY, POLICIES
-from tandem.options import EnvArgumentParser, port_number, positive_float
+from tandem.options import EnvArgumentParser, non_negative_int, port_number, positive_float, positive_int
+from tandem.security import ClientTLS, ServerTLS, add_server_tls_arguments, client_tls, server_tls
 
 WORKERS_ENV = "TANDEM_WORKERS"
 
@@ -26,6 +27,13 @@ class RouterConfig:
     model: str | None = None
     metrics_port: int = 0
     workers: tuple[WorkerAddress, ...] = field(default_factory=tuple)
+    tls: ServerTLS | None = None
+    auth_tokens: tuple[str, ...] = ()
+    worker_tls: ClientTLS | None = None
+    max_inflight: int = 512
+    max_queued: int = 512
+    queue_timeout_s: float = 30.0
+    max_message_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -52,6 +60,23 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                         help="a worker as NAME=KIND@HOST:PORT (KIND cpu or gpu); repeat for more "
                              f"[env {WORKERS_ENV}, comma-separated]")
     parser.env_vars[WORKERS_ENV] = "worker"
+    parser.add_env_argument("--max-inflight", "TANDEM_MAX_INFLIGHT", defaults.get("max_inflight", 512),
+                            type=positive_int, help="requests the router runs at once; more wait in its queue")
+    parser.add_env_argument("--max-queued", "TANDEM_MAX_QUEUED", defaults.get("max_queued", 512), type=non_negative_int,
+                            help="requests that may wait for a slot; beyond it RESOURCE_EXHAUSTED at once")
+    parser.add_env_argument("--queue-timeout-s", "TANDEM_QUEUE_TIMEOUT_S", defaults.get("queue_timeout_s", 30.0),
+                            type=positive_float, help="longest wait for a slot before RESOURCE_EXHAUSTED")
+    parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", defaults.get("max_message_bytes", 4 << 20),
+                            type=positive_int, help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED")
+    add_server_tls_arguments(parser, defaults)
+    parser.add_env_argument("--auth-token-file", "TANDEM_AUTH_TOKEN_FILE", defaults.get("auth_token_file"),
+                            help="file of bearer tokens, one per line: clients must send one (health stays open)")
+    parser.add_env_argument("--worker-ca", "TANDEM_WORKER_CA", defaults.get("worker_ca"),
+                            help="PEM CA that signed the workers' certificates: talk TLS to the workers")
+    parser.add_env_argument("--worker-cert", "TANDEM_WORKER_CERT", defaults.get("worker_cert"),
+                            help="PEM client certificate for the workers (mTLS, with --worker-key)")
+    parser.add_env_argument("--worker-key", "TANDEM_WORKER_KEY", defaults.get("worker_key"),
+                            help="PEM private key of --worker-cert")
     return parser
 
 
@@ -72,9 +97,28 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             model=args.model,
             metrics_port=args.metrics_port,
             workers=tuple(WorkerAddress.parse(spec) for spec in specs),
+            max_inflight=args.max_inflight,
+            max_queued=args.max_queued,
+            queue_timeout_s=args.queue_timeout_s,
+            max_message_bytes=args.max_message_bytes,
+            tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
+            auth_tokens=read_tokens(args.auth_token_file) if args.auth_token_file else (),
+            worker_tls=client_tls(args.worker_ca, args.worker_cert, args.worker_key),
         )
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def read_tokens(path: str) -> tuple[str, ...]:
+    """Bearer tokens from ``path``: one per line; blank lines and lines starting with # are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--auth-token-file: {exc}") from None
+    tokens = tuple(line.strip() for line in lines if line.strip() and not line.strip().startswith("#"))
+    if not tokens:
+        raise ValueError(f"--auth-token-file: {path} holds no token")
+    return tokens
 
 
 def _split(value: str) -> list[str]:

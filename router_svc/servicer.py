@@ -14,6 +14,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from router_svc import metrics
+from router_svc.admission import Admission, AdmissionRefused
 from router_svc.backends import Backend, BackendRegistry
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, RouteInput, WorkerView
 from tandem.engine.errors import InvalidRequestError
@@ -49,8 +50,10 @@ class Prepared:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, registry: BackendRegistry, tokenizer, default_policy: str, probe_deadline_s: float):
+    def __init__(self, registry: BackendRegistry, tokenizer, default_policy: str, probe_deadline_s: float,
+                 admission: Admission):
         self.registry = registry
+        self.admission = admission
         self.tokenizer = tokenizer
         self.default_policy = default_policy
         self.probe_deadline_s = probe_deadline_s
@@ -65,63 +68,70 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             prepared = await self._prepare(request, context)
             span.set_attributes({"tandem.request_id": prepared.request_id,
                                  "gen_ai.usage.input_tokens": prepared.prompt_tokens})
-            failed: list[str] = []
-            errors: dict[str, str] = {}
-            while True:
-                message = await self._decide(prepared, context, span, exclude=failed, errors=errors)
-                backend = self.registry.backends[message.chosen_worker]
-                self._sequence += 1
-                backend.dispatch(prepared.request_id, _uncached(message, prepared), prepared.max_new_tokens)
-                _log_decision(prepared.request_id, message)
-                metrics.record_decision(message)
-                client = child_span(_tracer, span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
-                    "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
-                    "server.address": backend.address.host, "server.port": backend.address.port,
-                    "tandem.worker": backend.name,
-                })
-                call = backend.stub.Generate(prepared.worker_request, timeout=context.time_remaining(),
-                                             metadata=outgoing_metadata(client))
-                streamed = 0
-                try:
-                    # The worker call is already under way while the decision goes out.
-                    yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
-                    async for response in call:
-                        streamed += len(response.token_ids)
-                        if first_token and response.token_ids:
-                            metrics.TTFT.observe(time.monotonic() - started)
-                            first_token = False
-                        if response.HasField("result"):
-                            _record_result(span, response.result)
-                            metrics.E2E.observe(time.monotonic() - started)
-                        yield router_pb2.RouteResponse(
-                            request_id=prepared.request_id, token_ids=response.token_ids, text=response.text,
-                            result=response.result if response.HasField("result") else None, worker=backend.name,
-                        )
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    code, details = exc.code(), exc.details()
-                    mark_failed(client, exc)
-                except BaseException as exc:
-                    mark_failed(client, exc)
-                    raise
-                finally:
-                    call.cancel()  # leaving the loop does not cancel a grpc.aio call
-                    backend.release(prepared.request_id)
-                    client.end()
+            try:
+                await self.admission.acquire()
+            except AdmissionRefused as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            try:
+                failed: list[str] = []
+                errors: dict[str, str] = {}
+                while True:
+                    message = await self._decide(prepared, context, span, exclude=failed, errors=errors)
+                    backend = self.registry.backends[message.chosen_worker]
+                    self._sequence += 1
+                    backend.dispatch(prepared.request_id, _uncached(message, prepared), prepared.max_new_tokens)
+                    _log_decision(prepared.request_id, message)
+                    metrics.record_decision(message)
+                    client = child_span(_tracer, span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
+                        "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
+                        "server.address": backend.address.host, "server.port": backend.address.port,
+                        "tandem.worker": backend.name,
+                    })
+                    call = backend.stub.Generate(prepared.worker_request, timeout=context.time_remaining(),
+                                                 metadata=outgoing_metadata(client))
+                    streamed = 0
+                    try:
+                        # The worker call is already under way while the decision goes out.
+                        yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
+                        async for response in call:
+                            streamed += len(response.token_ids)
+                            if first_token and response.token_ids:
+                                metrics.TTFT.observe(time.monotonic() - started)
+                                first_token = False
+                            if response.HasField("result"):
+                                _record_result(span, response.result)
+                                metrics.E2E.observe(time.monotonic() - started)
+                            yield router_pb2.RouteResponse(
+                                request_id=prepared.request_id, token_ids=response.token_ids, text=response.text,
+                                result=response.result if response.HasField("result") else None, worker=backend.name,
+                            )
+                        return
+                    except grpc.aio.AioRpcError as exc:
+                        code, details = exc.code(), exc.details()
+                        mark_failed(client, exc)
+                    except BaseException as exc:
+                        mark_failed(client, exc)
+                        raise
+                    finally:
+                        call.cancel()  # leaving the loop does not cancel a grpc.aio call
+                        backend.release(prepared.request_id)
+                        client.end()
 
-                backend.failed_requests += 1
-                if streamed or code not in _RETRYABLE:
-                    if streamed:
-                        await context.abort(
-                            grpc.StatusCode.UNAVAILABLE,
-                            f"worker {backend.name} failed after streaming {streamed} tokens ({code.name}: {details}); "
-                            "the output is incomplete",
-                        )
-                    await context.abort(code, details)
-                logger.warning("worker %s failed before the first token (%s: %s); failing over", backend.name, code.name, details)
-                metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
-                failed.append(backend.name)
-                errors[backend.name] = f"{code.name}: {details}"
+                    backend.failed_requests += 1
+                    if streamed or code not in _RETRYABLE:
+                        if streamed:
+                            await context.abort(
+                                grpc.StatusCode.UNAVAILABLE,
+                                f"worker {backend.name} failed after streaming {streamed} tokens ({code.name}: {details}); "
+                                "the output is incomplete",
+                            )
+                        await context.abort(code, details)
+                    logger.warning("worker %s failed before the first token (%s: %s); failing over", backend.name, code.name, details)
+                    metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
+                    failed.append(backend.name)
+                    errors[backend.name] = f"{code.name}: {details}"
+            finally:
+                self.admission.release()
 
     async def Explain(self, request: router_pb2.ExplainRequest, context: grpc.aio.ServicerContext):
         with server_span(_tracer, "tandem.v1.Router/Explain", context,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
 
     backends = commands.add_parser("backends", help="print the workers' live state")
     backends.add_argument("--router", default=DEFAULT_ROUTER, help="router address [env TANDEM_ROUTER]")
+    for command in (generate, backends):
+        command.add_argument("--tls-ca", default=os.environ.get("TANDEM_TLS_CA"),
+                             help="PEM CA of the router's certificate: connect with TLS [env TANDEM_TLS_CA]")
+        command.add_argument("--token-file", default=None,
+                             help="file holding the bearer token (default: env TANDEM_TOKEN)")
 
     commands.add_parser("bench", help="drive the router or one worker with a workload (see tandem bench --help)")
     commands.add_parser("sim", help="simulate routing with the real policy and scheduler (see tandem sim --help)")
@@ -73,8 +79,16 @@ def _call_router(args: argparse.Namespace) -> int:
     from tandem.client import RouterClient, format_backends, format_decision
     from tandem.telemetry import mark_failed, setup_tracing, tracer
 
+    from tandem.security import client_tls
+
+    try:
+        tls = client_tls(args.tls_ca)
+        token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("TANDEM_TOKEN")
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     provider = setup_tracing("tandem-cli")
-    client = RouterClient(args.router)
+    client = RouterClient(args.router, tls, token)
     span = tracer("tandem.cli").start_span(f"tandem {args.command}", kind=SpanKind.CLIENT)
     try:
         if args.command == "backends":

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from tandem.security import ClientTLS, bearer_metadata, channel
 from tandem.telemetry import outgoing_metadata
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -14,11 +15,15 @@ DEFAULT_ROUTER = os.environ.get("TANDEM_ROUTER", "127.0.0.1:50051")
 
 
 class RouterClient:
-    """Calls a router at ``address`` (host:port)."""
+    """Calls a router at ``address`` (host:port), over TLS with ``tls``, sending ``token`` as a bearer token."""
 
-    def __init__(self, address: str = DEFAULT_ROUTER):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str = DEFAULT_ROUTER, tls: ClientTLS | None = None, token: str | None = None):
+        self.channel = channel(address, tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.token = token
+
+    def _metadata(self, span) -> tuple[tuple[str, str], ...]:
+        return (*(outgoing_metadata(span) if span else ()), *bearer_metadata(self.token))
 
     @staticmethod
     def request(prompt: str, chat: bool = True, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -35,14 +40,15 @@ class RouterClient:
     def generate(self, request: router_pb2.RouteRequest, timeout: float | None = None,
                  span=None) -> Iterator[router_pb2.RouteResponse]:
         """Stream a generation; with ``span``, its trace context travels along (W3C traceparent)."""
-        return self.stub.Generate(request, timeout=timeout, metadata=outgoing_metadata(span) if span else None)
+        return self.stub.Generate(request, timeout=timeout, metadata=self._metadata(span))
 
     def explain(self, request: router_pb2.RouteRequest, timeout: float = 10.0, span=None) -> router_pb2.RoutingDecision:
-        metadata = outgoing_metadata(span) if span else None
-        return self.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=timeout, metadata=metadata).decision
+        return self.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=timeout,
+                                 metadata=self._metadata(span)).decision
 
     def backends(self, timeout: float = 10.0) -> list[router_pb2.Backend]:
-        return list(self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=timeout).backends)
+        return list(self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=timeout,
+                                           metadata=self._metadata(None)).backends)
 
     def close(self) -> None:
         self.channel.close()

@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.security import ClientTLS, channel
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -29,10 +31,12 @@ class ServiceProcess:
     Args:
         module: the module to run, or None with ``command`` for any other launcher.
         args: flags after the module; ``--host`` and ``--port`` are added.
+        tls: how to reach a service that serves TLS (health checks and stubs use ``channel``).
     """
 
     def __init__(self, name: str, module: str | None, args: list[str], log_path: Path, host: str = "127.0.0.1",
-                 port: int | None = None, command: list[str] | None = None, env: dict[str, str] | None = None):
+                 port: int | None = None, command: list[str] | None = None, env: dict[str, str] | None = None,
+                 tls: ClientTLS | None = None):
         self.name = name
         self.args = list(args)
         self.port = port or free_port(host)
@@ -45,7 +49,7 @@ class ServiceProcess:
             [*launcher, "--host", host, "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = channel(self.address, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     @property

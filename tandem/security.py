@@ -151,3 +151,13 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
     return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+def add_server_tls_arguments(parser, defaults: dict | None = None) -> None:
+    """--tls-cert, --tls-key and --tls-client-ca (mTLS) on an ``EnvArgumentParser``."""
+    defaults = defaults or {}
+    parser.add_env_argument("--tls-cert", "TANDEM_TLS_CERT", defaults.get("tls_cert"),
+                            help="PEM certificate: serve TLS (with --tls-key)")
+    parser.add_env_argument("--tls-key", "TANDEM_TLS_KEY", defaults.get("tls_key"), help="PEM private key of --tls-cert")
+    parser.add_env_argument("--tls-client-ca", "TANDEM_TLS_CLIENT_CA", defaults.get("tls_client_ca"),
+                            help="PEM CA: require client certificates signed by it (mTLS)")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from tandem.security import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -17,22 +20,71 @@ class GrpcService:
     """A grpc.aio server listening on ``host:port`` for ``service_name``, with health and reflection.
 
     Health starts NOT_SERVING; ``set_health`` sets it for the whole server and for ``service_name``.
+    With ``tls`` the port serves TLS (mTLS when it names a client CA); ``interceptors`` see every call.
     """
 
-    def __init__(self, service_name: str, host: str, port: int, options: list[tuple[str, int]] | None = None):
+    def __init__(self, service_name: str, host: str, port: int, options: list[tuple[str, int]] | None = None,
+                 tls: ServerTLS | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         self.service_name = service_name
         self.address = f"{host}:{port}"
-        self.server = grpc.aio.server(options=options or [])
+        self.server = grpc.aio.server(options=options or [], interceptors=[*interceptors, MalformedRequestGuard()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((service_name, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
-        if self.server.add_insecure_port(self.address) == 0:
+        if tls is not None:
+            bound = self.server.add_secure_port(self.address, tls.credentials())
+        else:
+            bound = self.server.add_insecure_port(self.address)
+        if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
 
     async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", self.service_name):
             await self.health.set(service, status)
+
+
+class _Malformed:
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class MalformedRequestGuard(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT, naming the decoding error, to a request that is not a valid message of
+    its method's type (corrupt wire format, bad UTF-8 in a string field), instead of gRPC's UNKNOWN.
+
+    Covers Tandem's own unary and server-streaming methods (``/tandem.``).
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or not handler_call_details.method.startswith("/tandem.")
+                or handler.request_streaming or handler.request_deserializer is None):
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient_decode(data: bytes):
+            try:
+                return decode(data)
+            except Exception as exc:  # any decoding failure is the client's malformed message
+                return _Malformed(f"{type(exc).__name__}: {exc}")
+
+        kwargs = dict(request_deserializer=lenient_decode, response_serializer=handler.response_serializer)
+        if handler.response_streaming:
+            async def stream(request, context):
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+                async for response in handler.unary_stream(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+
+        async def unary(request, context):
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+            return await handler.unary_unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
 
 def serve_metrics(host: str, port: int) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.options import EnvArgumentParser, port_number, positive_float, positive_int
 from tandem.protocol import WORKER_KINDS
+from tandem.security import ServerTLS, add_server_tls_arguments, server_tls
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class WorkerConfig:
     drain_grace_s: float = 30.0
     max_message_bytes: int = 4 << 20
     metrics_port: int = 0
+    tls: ServerTLS | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in WORKER_KINDS:
@@ -73,6 +75,7 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED")
     parser.add_env_argument("--metrics-port", "TANDEM_METRICS_PORT", 0, type=port_number,
                             help="serve Prometheus metrics on this port (0: off)")
+    add_server_tls_arguments(parser)
     return parser
 
 
@@ -98,6 +101,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
             drain_grace_s=args.drain_grace_s,
             max_message_bytes=args.max_message_bytes,
             metrics_port=args.metrics_port,
+            tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -62,7 +62,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     service = GrpcService(WORKER_SERVICE, config.host, config.port, options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-    ])
+    ], tls=config.tls)
     servicer = WorkerServicer(config.kind)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, service.server)
     await service.set_health(False)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from tandem.security import BearerTokenAuth, ClientTLS, aio_channel, bearer_metadata, client_tls, server_tls
+from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from tests.certs import make_certificates
+from tests.integration.workers import REPO, SERVING, RouterProcess, WorkerProcess
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +86,63 @@ async def test_connections_without_the_right_certificates_fail(secured_server, c
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def secured_stack(tiny_llama, certs, tmp_path_factory):
+    """A worker requiring client certificates (mTLS) behind a router serving TLS with bearer tokens."""
+    logs = tmp_path_factory.mktemp("secured")
+    (logs / "tokens").write_text("# clients\nalpha-token\nbeta-token\n")
+    worker_tls = client_tls(str(certs.ca), str(certs.client_cert), str(certs.client_key))
+    worker = WorkerProcess(tiny_llama, logs / "worker.log", "--tls-cert", str(certs.server_cert), "--tls-key",
+                           str(certs.server_key), "--tls-client-ca", str(certs.ca), tls=worker_tls)
+    router = None
+    try:
+        worker.wait_for_health()
+        router = RouterProcess(tiny_llama, logs / "router.log", [f"w=cpu@127.0.0.1:{worker.port}"],
+                               "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                               "--auth-token-file", str(logs / "tokens"), "--worker-ca", str(certs.ca),
+                               "--worker-cert", str(certs.client_cert), "--worker-key", str(certs.client_key),
+                               tls=client_tls(str(certs.ca)))
+        router.wait_for_health()
+        router.wait_for_backends({"w"}, metadata=bearer_metadata("beta-token"))
+        yield router, worker
+    finally:
+        for process in (router, worker):
+            if process is not None:
+                process.close()
+
+
+def _generate(router, token):
+    request = router_pb2.RouteRequest(prompt_token_ids=worker_pb2.TokenIds(ids=list(range(20, 40))), max_new_tokens=4,
+                                      sampling=common_pb2.SamplingParams(temperature=0.0))
+    return list(router.stub.Generate(request, timeout=30, metadata=bearer_metadata(token)))
+
+
+@pytest.mark.slow
+def test_tls_everywhere_with_tokens_serves_only_authorized_clients(secured_stack, certs):
+    router, worker = secured_stack
+    responses = _generate(router, "alpha-token")
+    assert responses[0].decision.chosen_worker == "w"
+    assert responses[-1].result.usage.output_tokens == 4
+    for token in (None, "alpha", "gamma-token"):
+        with pytest.raises(grpc.RpcError) as error:
+            _generate(router, token)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as error:
+        router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5)
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert router.health_status() == SERVING  # health needs no token
+
+
+@pytest.mark.slow
+def test_workers_refuse_clients_without_a_certificate(secured_stack, certs):
+    _, worker = secured_stack
+    ca_only = [sys.executable, "-m", "tandem.healthcheck", worker.address, "--tls-ca", str(certs.ca)]
+    mutual = [*ca_only, "--tls-cert", str(certs.client_cert), "--tls-key", str(certs.client_key)]
+    assert subprocess.run(mutual, capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)}).returncode == 0
+    refused = subprocess.run(ca_only, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+    with grpc.insecure_channel(worker.address) as plaintext:
+        with pytest.raises(grpc.RpcError):
+            worker_pb2_grpc.WorkerStub(plaintext).GetInfo(worker_pb2.GetInfoRequest(), timeout=3)

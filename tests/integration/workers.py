@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from tandem.launch import NOT_SERVING, SERVING, ServiceProcess  # noqa: F401  (re-exported for the tests)
+from tandem.security import ClientTLS
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,9 +21,10 @@ class WorkerProcess(ServiceProcess):
     """A worker serving ``model_dir`` with one torch thread, plus a Worker stub."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str, module: str = "cpu_worker",
-                 launcher: list[str] | None = None, env: dict[str, str] | None = None, port: int | None = None):
+                 launcher: list[str] | None = None, env: dict[str, str] | None = None, port: int | None = None,
+                 tls: ClientTLS | None = None):
         super().__init__(module, None if launcher else module, ["--model", str(model_dir), "--threads", "1", *args],
-                         log_path, port=port, command=launcher, env={"PYTHONPATH": str(REPO), **(env or {})})
+                         log_path, port=port, command=launcher, env={"PYTHONPATH": str(REPO), **(env or {})}, tls=tls)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
 
@@ -47,17 +49,17 @@ class RouterProcess(ServiceProcess):
     """A router in front of ``workers`` (``NAME=KIND@HOST:PORT`` specs), plus a Router stub."""
 
     def __init__(self, model_dir: Path, log_path: Path, workers: list[str], *args: str,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, tls: ClientTLS | None = None):
         worker_args = [arg for spec in workers for arg in ("--worker", spec)]
         super().__init__("router_svc", "router_svc", ["--model", str(model_dir), *worker_args, *args], log_path,
-                         env={"PYTHONPATH": str(REPO), **(env or {})})
+                         env={"PYTHONPATH": str(REPO), **(env or {})}, tls=tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
-    def wait_for_backends(self, healthy: set[str], timeout: float = 60.0) -> None:
+    def wait_for_backends(self, healthy: set[str], timeout: float = 60.0, metadata=()) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                backends = self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=2).backends
+                backends = self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=2, metadata=metadata).backends
                 if {b.name for b in backends if b.healthy} == healthy:
                     return
             except grpc.RpcError:

@@ -42,7 +42,7 @@ def test_the_stack_has_every_service():
     reservation = SERVICES["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert reservation["driver"] == "nvidia" and "gpu" in reservation["capabilities"]
     assert SERVICES["gpu-worker-cpu"]["command"][-2:] == ["--device", "cpu"]
-    assert "16686:16686" in SERVICES["jaeger"]["ports"]
+    assert "127.0.0.1:16686:16686" in SERVICES["jaeger"]["ports"]
 
 
 def test_every_depends_on_target_exists():
@@ -85,3 +85,12 @@ def test_router_workers_and_prometheus_targets_point_at_real_services():
     for target in targets:
         host, port = target.split(":")
         assert host in names and int(port) == metrics[host], target
+
+
+def test_only_the_router_is_published_and_by_default_on_loopback():
+    published = {name: service.get("ports", []) for name, service in COMPOSE["services"].items() if service.get("ports")}
+    assert published["router"] == ["${TANDEM_PUBLISH_HOST:-127.0.0.1}:50051:50051"]
+    for name, ports in published.items():
+        if name != "router":  # observability UIs: this host only
+            assert all(port.startswith("127.0.0.1:") for port in ports), (name, ports)
+    assert not any(name.startswith(("cpu-worker", "gpu-worker")) for name in published)
