@@ -11,12 +11,14 @@ Writes bench/results/router.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import sys
 import time
 from pathlib import Path
 
 from router_svc.policy import POLICIES, QueuedWork, RouteInput, WorkerView
+from tandem.bench.live import wait_for_healthy_backends
 from tandem.bench.results import percentile, write_json
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 
@@ -44,7 +46,7 @@ def measure_overhead(count: int, max_new_tokens: int) -> dict:
         stack.wait_for_health()
         router = router_pb2_grpc.RouterStub(stack.router.channel)
         worker = worker_pb2_grpc.WorkerStub(stack.gpu.channel)
-        _wait_for_backends(router)
+        asyncio.run(wait_for_healthy_backends(stack.router.address))
         rng = random.Random(0)
         prompt = [rng.randrange(10, 40000) for _ in range(64)]
         sampling = common_pb2.SamplingParams(temperature=0.0)
@@ -76,16 +78,6 @@ def measure_overhead(count: int, max_new_tokens: int) -> dict:
                         "added_p50_ms": routed_stats["p50_ms"] - direct_stats["p50_ms"],
                         "added_p99_ms": routed_stats["p99_ms"] - direct_stats["p99_ms"]}
     return result
-
-
-def _wait_for_backends(router, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        backends = router.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends
-        if backends and all(b.healthy for b in backends):
-            return
-        time.sleep(0.1)
-    raise TimeoutError("the router did not see its workers healthy")
 
 
 def snapshot(num_workers: int, seed: int = 0) -> list[WorkerView]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from router_svc.sim.profiles import fetch_worker_profiles, seed_m2
 from router_svc.sim.simulator import simulate
 from tandem.bench import plots
-from tandem.bench.live import router_workers, run_workload, warm, worker_vocab_size, write_run
+from tandem.bench.live import (router_workers, run_workload, wait_for_healthy_backends, warm, worker_vocab_size,
+                               write_run)
 from tandem.bench.results import write_json
 from tandem.bench.workloads import long_context, seed_burst
 
@@ -179,29 +180,13 @@ def live_run(model: str, n: int, policy: str, repeat: int, out_dir: Path, gpu_ma
 
 async def _live_run(stack, n: int, policy: str, repeat: int):
     address = stack.router.address
-    await _wait_router_sees(address)
+    await wait_for_healthy_backends(address)
     workers = await router_workers(address)
     fitted = fetch_worker_profiles([f"{w.name}={w.kind}@{w.address}" for w in workers])
     workload = seed_burst(n, await worker_vocab_size(workers[0].address), seed=repeat)
     await warm(workers, workload.warm_prefixes)
     run = await run_workload(address, workload, workers, via_router=True, policy=policy, label=policy)
     return run, workload, fitted
-
-
-async def _wait_router_sees(address: str, timeout_s: float = 60.0) -> None:
-    import grpc
-
-    from tandem.v1 import router_pb2, router_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        while time.monotonic() < deadline:
-            backends = (await stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5)).backends
-            if backends and all(b.healthy for b in backends):
-                return
-            await asyncio.sleep(0.1)
-    raise TimeoutError("the router did not see both workers healthy")
 
 
 def _pct(value: float) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from tandem.bench.live import wait_for_healthy_backends
 from tandem.bench.results import percentile, write_json
 from tandem.launch import ServiceProcess, free_port
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -121,7 +122,7 @@ class Soak:
     async def run(self) -> dict:
         async with grpc.aio.insecure_channel(self.router.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
-            await self._wait_backends(stub)
+            await wait_for_healthy_backends(self.router.address)
             rss_start = rss_kib(self.router.process.pid)
             stop = asyncio.Event()
             killer = asyncio.create_task(self.killer(stop))
@@ -135,7 +136,7 @@ class Soak:
             stop.set()
             await killer
             await asyncio.gather(*tasks)
-            await self._wait_backends(stub)
+            await wait_for_healthy_backends(self.router.address)
             leaks = await self._leaks(stub)
             rss_end = rss_kib(self.router.process.pid)
         return {
@@ -146,15 +147,6 @@ class Soak:
             "e2e_p50_s": percentile(self.e2e_s, 50), "e2e_p99_s": percentile(self.e2e_s, 99),
             "router_rss_kib_start": rss_start, "router_rss_kib_end": rss_end,
         }
-
-    async def _wait_backends(self, stub, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            backends = (await stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5)).backends
-            if backends and all(b.healthy for b in backends):
-                return
-            await asyncio.sleep(0.2)
-        raise TimeoutError("the router did not see every worker healthy")
 
     async def _leaks(self, stub, timeout_s: float = 30.0) -> list[str]:
         """What is still held once everything has ended (empty when nothing leaked)."""

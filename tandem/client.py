@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import grpc
-
 from tandem.security import ClientTLS, bearer_metadata, channel
 from tandem.telemetry import outgoing_metadata
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -56,6 +56,19 @@ async def router_workers(address: str) -> list[WorkerEndpoint]:
             for b in response.backends]
 
 
+async def wait_for_healthy_backends(address: str, timeout_s: float = 120.0) -> None:
+    """Return once the router at ``address`` reports every configured worker healthy."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        while time.monotonic() < deadline:
+            backends = (await stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5)).backends
+            if backends and all(b.healthy for b in backends):
+                return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"the router at {address} did not see every worker healthy within {timeout_s:.0f} s")
+
+
 async def worker_vocab_size(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
