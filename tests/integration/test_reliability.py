@@ -229,3 +229,36 @@ def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path):
             if decision.chosen_worker == "a":
                 assert list(call)[-1].result.usage.output_tokens == 4
         assert_no_leaks(router, workers)
+
+
+def test_an_engine_fault_ends_in_flight_requests_clearly_and_the_router_routes_around(tiny_llama, tmp_path):
+    """Worker a's model step raises after 30 steps (test harness only): its streams end with UNAVAILABLE
+    (after tokens) or fail over to b (before the first token); a turns NOT_SERVING; later requests go to b."""
+    faulty = WorkerProcess(tiny_llama, tmp_path / "a.log", launcher=HARNESS,
+                           env={"HARNESS_FAIL_AFTER_STEPS": "30", "HARNESS_STEP_DELAY_S": "0.01"})
+    healthy = WorkerProcess(tiny_llama, tmp_path / "b.log", launcher=HARNESS, env={"HARNESS_STEP_DELAY_S": "0.01"})
+    router = None
+    try:
+        faulty.wait_for_health()
+        healthy.wait_for_health()
+        router = RouterProcess(tiny_llama, tmp_path / "router.log", [f"a=gpu@{faulty.address}", f"b=cpu@{healthy.address}"])
+        router.wait_for_health(SERVING)
+        router.wait_for_backends({"a", "b"})
+        pinned = router_pb2.RouteRequest(prompt_token_ids=worker_pb2.TokenIds(ids=list(range(30, 50))),
+                                         max_new_tokens=60, ignore_eos=True, policy="gpu_only",
+                                         sampling=common_pb2.SamplingParams(temperature=0.0))
+        with ThreadPoolExecutor(3) as pool:
+            outcomes = list(pool.map(lambda _: _stream(router, pinned), range(3)))
+        for status, tokens, details in outcomes:  # 3 × 60 tokens need more than 30 steps: every stream is hit
+            assert status == "UNAVAILABLE" and tokens > 0 and "failed after streaming" in details, (status, details)
+            assert "injected fault" in details
+        wait_until(lambda: faulty.health_status() != SERVING)
+        router.wait_for_backends({"b"})
+        for _ in range(3):
+            responses = list(router.stub.Generate(_request(5), timeout=30))
+            assert responses[0].decision.chosen_worker == "b" and responses[-1].result.usage.output_tokens == 5
+        assert faulty.alive  # a failed engine keeps the process up, reporting NOT_SERVING
+    finally:
+        for process in (router, faulty, healthy):
+            if process is not None:
+                process.close()
