@@ -61,10 +61,7 @@ def _save(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    fig.clf()
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def lines(series: dict[str, list[tuple[float, float]]], path: Path, xlabel: str, ylabel: str, title: str,
