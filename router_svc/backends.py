@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.policy import QueuedWork, WorkerView
+from router_svc.probes import ProbeStream
 from tandem.security import ClientTLS, aio_channel
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -67,6 +68,7 @@ class Backend:
         self.connected = False
         self.status = "connecting"
         self.credits: dict[str, Credit] = {}
+        self._probes: ProbeStream | None = None
         self.routed_requests = 0
         self.failed_requests = 0
 
@@ -125,16 +127,18 @@ class Backend:
             state_source="estimate" if estimate is not None else "snapshot",
         )
 
-    async def estimate(self, prompt_token_ids: list[int], deadline_s: float) -> common_pb2.BackendState | None:
-        """A fresh Estimate, or None if the worker did not answer within ``deadline_s``."""
-        try:
-            state = await self.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=prompt_token_ids), timeout=deadline_s)
-        except grpc.aio.AioRpcError:
-            return None
-        self._update(state)
-        return state
+    def probe(self, request: worker_pb2.EstimateRequest) -> asyncio.Future:
+        """Ask for a fresh Estimate; the future holds the answer, or None if the worker cannot answer."""
+        if self._probes is None or self._probes.closed:
+            self._probes = ProbeStream(self.stub)
+        return self._probes.ask(request)
 
-    def _update(self, state: common_pb2.BackendState) -> None:
+    def close_probes(self) -> None:
+        if self._probes is not None:
+            self._probes.close()
+            self._probes = None
+
+    def update(self, state: common_pb2.BackendState) -> None:
         if self.state is None or state.seq >= self.state.seq:
             self.state = state
 
@@ -153,7 +157,7 @@ class Backend:
                 async for state in self.stub.WatchState(worker_pb2.WatchStateRequest(interval_s=WATCH_INTERVAL_S)):
                     if not self.connected:
                         logger.info("worker %s at %s connected (%s)", self.name, self.address.address, state.device)
-                    self._update(state)
+                    self.update(state)
                     self.connected = True
                     backoff = BACKOFF_INITIAL_S
             except asyncio.CancelledError:
@@ -165,12 +169,31 @@ class Backend:
             if self.connected:
                 logger.warning("worker %s at %s lost (%s)", self.name, self.address.address, self.status)
             self.connected = False
+            self.close_probes()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
 
 
 class _Retry(Exception):
     pass
+
+
+async def probe_all(backends: list[Backend], prompt_token_ids: list[int],
+                    deadline_s: float) -> list[common_pb2.BackendState | None]:
+    """Estimate from every backend at once; None for each that did not answer within ``deadline_s``."""
+    request = worker_pb2.EstimateRequest(prompt_token_ids=prompt_token_ids)
+    answers = [backend.probe(request) for backend in backends]
+    if answers:
+        await asyncio.wait(answers, timeout=deadline_s)
+    estimates = []
+    for backend, answer in zip(backends, answers):
+        state = answer.result() if answer.done() else None
+        if not answer.done():
+            answer.cancel()  # its late answer is read and dropped
+        if state is not None:
+            backend.update(state)
+        estimates.append(state)
+    return estimates
 
 
 class BackendRegistry:
@@ -199,6 +222,8 @@ class BackendRegistry:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for backend in self.backends.values():
+            backend.close_probes()
         await asyncio.gather(*(b.channel.close() for b in self.backends.values()))
 
     def register_fingerprint(self, backend: Backend) -> None:

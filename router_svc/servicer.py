@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind
 
 from router_svc import metrics
 from router_svc.admission import Admission, AdmissionRefused
-from router_svc.backends import Backend, BackendRegistry
+from router_svc.backends import Backend, BackendRegistry, probe_all
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, RouteInput, WorkerView
 from tandem.engine.errors import InvalidRequestError
 from tandem.protocol import WORKER_KINDS, sampling_params
@@ -80,8 +80,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     backend = self.registry.backends[message.chosen_worker]
                     self._sequence += 1
                     backend.dispatch(prepared.request_id, _uncached(message, prepared), prepared.max_new_tokens)
-                    _log_decision(prepared.request_id, message)
-                    metrics.record_decision(message)
                     client = child_span(_tracer, span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
                         "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
                         "server.address": backend.address.host, "server.port": backend.address.port,
@@ -91,8 +89,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                                  metadata=outgoing_metadata(client))
                     streamed = 0
                     try:
-                        # The worker call is already under way while the decision goes out.
-                        yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
+                        try:  # the worker call is already under way while the decision goes out
+                            yield router_pb2.RouteResponse(request_id=prepared.request_id, decision=message)
+                        finally:  # bookkeeping, kept off the way to the first token
+                            _log_decision(prepared.request_id, message)
+                            metrics.record_decision(message)
                         async for response in call:
                             streamed += len(response.token_ids)
                             if first_token and response.token_ids:
@@ -151,14 +152,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             mark_failed(route_span, exc, context)
             raise
         else:
-            route_span.set_attributes(_decision_attributes(message))
+            if route_span.is_recording():
+                route_span.set_attributes(_decision_attributes(message))
             return message
         finally:
             route_span.end()
 
     async def _score(self, prepared: Prepared, context, exclude: list[str], errors: dict[str, str]):
         candidates = [b for b in self.registry.healthy() if b.name not in exclude]
-        estimates = await asyncio.gather(*(b.estimate(prepared.prompt_token_ids, self.probe_deadline_s) for b in candidates))
+        estimates = await probe_all(candidates, prepared.prompt_token_ids, self.probe_deadline_s)
         views = [
             b.view(estimate) for b, estimate in zip(candidates, estimates)
             if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING

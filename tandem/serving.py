@@ -53,13 +53,14 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
     """Answers INVALID_ARGUMENT, naming the decoding error, to a request that is not a valid message of
     its method's type (corrupt wire format, bad UTF-8 in a string field), instead of gRPC's UNKNOWN.
 
-    Covers Tandem's own unary and server-streaming methods (``/tandem.``).
+    Covers Tandem's own methods (``/tandem.``): unary, server-streaming and bidirectional.
     """
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if (handler is None or not handler_call_details.method.startswith("/tandem.")
-                or handler.request_streaming or handler.request_deserializer is None):
+                or handler.request_deserializer is None
+                or (handler.request_streaming and not handler.response_streaming)):
             return handler
         decode = handler.request_deserializer
 
@@ -70,6 +71,19 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
                 return _Malformed(f"{type(exc).__name__}: {exc}")
 
         kwargs = dict(request_deserializer=lenient_decode, response_serializer=handler.response_serializer)
+        if handler.request_streaming:
+            async def bidi(requests, context):
+                async def checked():
+                    async for request in requests:
+                        if isinstance(request, _Malformed):
+                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+                        yield request
+
+                async for response in handler.stream_stream(checked(), context):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(bidi, **kwargs)
+
         if handler.response_streaming:
             async def stream(request, context):
                 if isinstance(request, _Malformed):

@@ -118,9 +118,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self._idle.set()
 
     async def Estimate(self, request: worker_pb2.EstimateRequest, context: grpc.aio.ServicerContext):
+        return self._estimate(await self._require_state(context), request)
+
+    async def EstimateStream(self, requests, context: grpc.aio.ServicerContext):
         engine = await self._require_state(context)
-        cached = engine.cached_prefix_len(list(request.prompt_token_ids))
-        return self._state_message(engine.state(), cached)
+        async for request in requests:
+            yield self._estimate(engine, request)
+
+    def _estimate(self, engine: AsyncEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
+        return self._state_message(engine.state(), engine.cached_prefix_len(list(request.prompt_token_ids)))
 
     async def WatchState(self, request: worker_pb2.WatchStateRequest, context: grpc.aio.ServicerContext):
         interval = request.interval_s or 1.0

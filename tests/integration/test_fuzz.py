@@ -146,6 +146,27 @@ def test_worker_generate_and_estimate_survive_fuzzed_requests(services):
     check()
 
 
+def test_worker_estimate_stream_survives_fuzzed_and_malformed_messages(services):
+    _, worker, _ = services
+
+    @FUZZ
+    @given(st.lists(st.lists(INT32, max_size=40), max_size=8))
+    def check(prompts):
+        requests = [worker_pb2.EstimateRequest(prompt_token_ids=prompt) for prompt in prompts]
+        answers = list(worker.stub.EstimateStream(iter(requests), timeout=10))
+        assert len(answers) == len(prompts)
+        assert all(answer.cached_tokens <= max(0, len(prompt) - 1) for answer, prompt in zip(answers, prompts))
+
+    check()
+    raw_call = worker.channel.stream_stream("/tandem.v1.Worker/EstimateStream")
+    call = raw_call(iter([worker_pb2.EstimateRequest(prompt_token_ids=[5]).SerializeToString(), b"\xff\xff\xff"]),
+                    timeout=10)
+    assert common_pb2.BackendState.FromString(next(call)).serving_state == common_pb2.SERVING_STATE_SERVING
+    with pytest.raises(grpc.RpcError) as error:
+        next(call)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed request" in error.value.details()
+
+
 def test_worker_watch_state_rejects_bad_intervals(services):
     _, worker, _ = services
 

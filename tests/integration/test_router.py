@@ -90,6 +90,8 @@ def test_saturated_gpu_worker_makes_the_router_offload(stack):
     try:
         for call in load[:8]:
             next(call)
+        wait_until(lambda: (s := gpu.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)).num_running
+                   + s.num_waiting == len(load))
         decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(list(range(70, 90)), 32)), timeout=10).decision
         scores = {s.worker: s for s in decision.scores}
         assert scores["gpu"].pending_decode_tokens > 20000 and scores["gpu"].num_running == 8

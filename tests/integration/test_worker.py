@@ -59,6 +59,16 @@ def test_estimate_reports_cache_hit_after_shared_prefix(worker):
     assert responses[-1].result.usage.cached_tokens == 48
 
 
+def test_estimate_stream_answers_every_probe_in_order(worker):
+    prefix = list(range(300, 348))  # three full blocks of 16
+    generate(worker.stub, prompt_token_ids=ids(prefix + [5]), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
+    prompts = [prefix + [7], [1, 2, 3], prefix[:32] + [9], [], prefix + [8, 9]]
+    answers = list(worker.stub.EstimateStream(
+        iter([worker_pb2.EstimateRequest(prompt_token_ids=prompt) for prompt in prompts]), timeout=10))
+    assert [answer.cached_tokens for answer in answers] == [48, 0, 32, 0, 48]
+    assert all(answer.serving_state == common_pb2.SERVING_STATE_SERVING for answer in answers)
+
+
 def test_cancel_mid_stream_frees_everything(worker):
     call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))), max_new_tokens=900,
                                                            sampling=GREEDY, ignore_eos=True), timeout=60)
