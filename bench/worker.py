@@ -1,7 +1,8 @@
-"""Worker benchmark: how cheap Estimate is, idle and while the worker decodes a full batch.
+"""Worker benchmark: how cheap a probe is, idle and while the worker decodes a full batch.
 
-Starts a real cpu_worker on 127.0.0.1 with the default model, calls Estimate with a 516-token
-prompt (496 of them cached) N times idle, then N times while 8 requests stream, and writes
+Starts a real cpu_worker on 127.0.0.1 with the default model and asks for an estimate of a 516-token
+prompt (496 of them cached) N times idle, then N times while 8 requests stream: each time as a unary
+Estimate call and as one message on an open EstimateStream call (as the router probes). Writes
 bench/results/worker.json with latency percentiles.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import random
 import threading
 import time
@@ -38,6 +40,26 @@ def time_estimates(stub, prompt: list[int], count: int) -> list[float]:
     return samples
 
 
+def time_stream_estimates(stub, prompt: list[int], count: int) -> list[float]:
+    request = worker_pb2.EstimateRequest(prompt_token_ids=prompt)
+    outgoing: queue.Queue = queue.Queue()
+    answers = stub.EstimateStream(iter(outgoing.get, None), timeout=600)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        outgoing.put(request)
+        state = next(answers)
+        samples.append(time.perf_counter() - start)
+    outgoing.put(None)
+    assert state.cached_tokens == 496, state.cached_tokens
+    return samples
+
+
+def time_probes(stub, prompt: list[int], count: int) -> dict[str, dict[str, float]]:
+    return {"estimate": percentiles(time_estimates(stub, prompt, count)),
+            "estimate_stream": percentiles(time_stream_estimates(stub, prompt, count))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=500)
@@ -58,7 +80,7 @@ def main() -> None:
         greedy = common_pb2.SamplingParams(temperature=0)
         list(worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + [5]),
                                                              max_new_tokens=1, sampling=greedy)))
-        idle = time_estimates(worker.stub, prompt, args.count)
+        idle = time_probes(worker.stub, prompt, args.count)
 
         def stream() -> None:
             suffix = [rng.randrange(3, 49152) for _ in range(20)]
@@ -71,19 +93,19 @@ def main() -> None:
         for thread in streams:
             thread.start()
         time.sleep(1.0)
-        busy = time_estimates(worker.stub, prompt, args.count)
+        busy = time_probes(worker.stub, prompt, args.count)
         running = worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5).num_running
         for thread in streams:
             thread.join()
     finally:
         worker.terminate()
     report = {
-        "benchmark": "worker_estimate",
+        "benchmark": "worker_probes",
         "prompt_tokens": 516,
         "cached_tokens": 496,
         "calls": args.count,
-        "idle": percentiles(idle),
-        "busy": {**percentiles(busy), "running_requests": running},
+        "idle": idle,
+        "busy": {**busy, "running_requests": running},
     }
     args.output.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
