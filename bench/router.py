@@ -2,7 +2,8 @@
 
 1. Overhead: the same requests, interleaved, sent directly to gpu_worker and through the router (policy
    gpu_only, so the router picks that same worker after probing both workers with Estimate). TTFT and
-   time per output token are compared by median and p99.
+   time per output token are compared by median and p99. For scale: the round trip of a routing
+   decision alone (Explain) and of one Estimate sent straight to the worker.
 2. Decision time of every policy over simulated snapshots of 2, 8 and 64 workers.
 
 Writes bench/results/router.json.
@@ -36,6 +37,12 @@ def _timed_stream(responses) -> tuple[float, float]:
     return ttft, (token_times[-1] - token_times[0]) / (len(token_times) - 1)
 
 
+def _timed_call(call) -> float:
+    start = time.perf_counter()
+    call()
+    return (time.perf_counter() - start) * 1000
+
+
 def measure_overhead(count: int, max_new_tokens: int) -> dict:
     from tandem.engine.model.loader import resolve_model
     from tandem.stack import start_stack
@@ -58,6 +65,10 @@ def measure_overhead(count: int, max_new_tokens: int) -> dict:
         for _ in range(3):  # warm both paths and the prefix cache
             _timed_stream(worker.Generate(direct_request, timeout=60))
             _timed_stream(router.Generate(routed_request, timeout=60))
+        explain = router_pb2.ExplainRequest(request=routed_request)
+        estimate = worker_pb2.EstimateRequest(prompt_token_ids=prompt)
+        round_trips = {"explain": [_timed_call(lambda: router.Explain(explain, timeout=10)) for _ in range(count)],
+                       "worker_estimate": [_timed_call(lambda: worker.Estimate(estimate, timeout=10)) for _ in range(count)]}
         direct, routed = [], []
         for index in range(count):
             pair = [(direct, lambda: worker.Generate(direct_request, timeout=60)),
@@ -71,7 +82,9 @@ def measure_overhead(count: int, max_new_tokens: int) -> dict:
         values = [s[position] * 1000 for s in samples]
         return {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
 
-    result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens}
+    result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens,
+              "round_trip": {name: {"p50_ms": percentile(samples, 50), "p99_ms": percentile(samples, 99)}
+                             for name, samples in round_trips.items()}}
     for name, position in (("ttft", 0), ("tpot", 1)):
         direct_stats, routed_stats = stats(direct, position), stats(routed, position)
         result[name] = {"direct": direct_stats, "routed": routed_stats,
@@ -129,6 +142,8 @@ def main() -> int:
     print(f"TTFT direct p50 {overhead['ttft']['direct']['p50_ms']:.2f} ms, routed p50 "
           f"{overhead['ttft']['routed']['p50_ms']:.2f} ms: added p50 {overhead['ttft']['added_p50_ms']:.2f} ms, "
           f"p99 {overhead['ttft']['added_p99_ms']:.2f} ms")
+    print(f"Explain (probes + decision) p50 {overhead['round_trip']['explain']['p50_ms']:.2f} ms; one Estimate "
+          f"straight to the worker p50 {overhead['round_trip']['worker_estimate']['p50_ms']:.2f} ms")
     print(f"TPOT added p50 {overhead['tpot']['added_p50_ms']:.3f} ms, p99 {overhead['tpot']['added_p99_ms']:.3f} ms")
     print(f"{'policy':<14}" + "".join(f"{n:>12}" for n in ("2 workers", "8 workers", "64 workers")) + "   (p50 µs)")
     for name, by_size in report["decision_time"].items():
