@@ -183,16 +183,16 @@ async def probe_all(backends: list[Backend], prompt_token_ids: list[int],
     """Estimate from every backend at once; None for each that did not answer within ``deadline_s``."""
     request = worker_pb2.EstimateRequest(prompt_token_ids=prompt_token_ids)
     answers = [backend.probe(request) for backend in backends]
-    if answers:
-        await asyncio.wait(answers, timeout=deadline_s)
-    estimates = []
-    for backend, answer in zip(backends, answers):
-        state = answer.result() if answer.done() else None
-        if not answer.done():
-            answer.cancel()  # its late answer is read and dropped
+    try:
+        if answers:
+            await asyncio.wait(answers, timeout=deadline_s)
+    finally:
+        for answer in answers:
+            answer.cancel()  # does nothing to an answered probe; a late answer is read and dropped
+    estimates = [None if answer.cancelled() else answer.result() for answer in answers]
+    for backend, state in zip(backends, estimates):
         if state is not None:
             backend.update(state)
-        estimates.append(state)
     return estimates
 
 
