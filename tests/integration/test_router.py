@@ -101,7 +101,8 @@ def test_saturated_gpu_worker_makes_the_router_offload(stack):
     finally:
         for call in load:
             call.cancel()
-    wait_until(lambda: gpu.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5).num_running == 0)
+    wait_until(lambda: (s := gpu.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)).num_running == 0
+               and s.num_waiting == 0)
 
 
 def test_client_cancel_cancels_the_worker_call(stack):
