@@ -77,9 +77,8 @@ def _call_router(args: argparse.Namespace) -> int:
     from opentelemetry.trace import SpanKind
 
     from tandem.client import RouterClient, format_backends, format_decision
-    from tandem.telemetry import mark_failed, setup_tracing, tracer
-
     from tandem.security import client_tls
+    from tandem.telemetry import mark_failed, setup_tracing, tracer
 
     try:
         tls = client_tls(args.tls_ca)

@@ -49,6 +49,13 @@ class _Malformed:
         self.reason = reason
 
 
+async def _well_formed(request, context: grpc.aio.ServicerContext):
+    """``request``, or INVALID_ARGUMENT naming why it could not be decoded."""
+    if isinstance(request, _Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
+    return request
+
+
 class MalformedRequestGuard(grpc.aio.ServerInterceptor):
     """Answers INVALID_ARGUMENT, naming the decoding error, to a request that is not a valid message of
     its method's type (corrupt wire format, bad UTF-8 in a string field), instead of gRPC's UNKNOWN.
@@ -75,9 +82,7 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
             async def bidi(requests, context):
                 async def checked():
                     async for request in requests:
-                        if isinstance(request, _Malformed):
-                            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
-                        yield request
+                        yield await _well_formed(request, context)
 
                 async for response in handler.stream_stream(checked(), context):
                     yield response
@@ -86,17 +91,13 @@ class MalformedRequestGuard(grpc.aio.ServerInterceptor):
 
         if handler.response_streaming:
             async def stream(request, context):
-                if isinstance(request, _Malformed):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
-                async for response in handler.unary_stream(request, context):
+                async for response in handler.unary_stream(await _well_formed(request, context), context):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
 
         async def unary(request, context):
-            if isinstance(request, _Malformed):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
-            return await handler.unary_unary(request, context)
+            return await handler.unary_unary(await _well_formed(request, context), context)
 
         return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
 
