@@ -62,14 +62,19 @@ class RateTracker:
         self.reference_decode_batch = reference_decode_batch
         self._calibration: list[StepSample] = []
         self._observed: deque[StepSample] = deque(maxlen=window)
+        self._sums = _NormalEquations()  # over the calibration samples and the observed window
         self._rates: Rates | None = None
 
     def add_calibration(self, sample: StepSample) -> None:
         self._calibration.append(sample)
+        self._sums.add(sample)
         self._rates = None
 
     def observe(self, sample: StepSample) -> None:
+        if len(self._observed) == self._observed.maxlen:
+            self._sums.add(self._observed[0], -1)
         self._observed.append(sample)
+        self._sums.add(sample)
         self._rates = None
 
     @property
@@ -82,10 +87,9 @@ class RateTracker:
         return self._rates
 
     def _fit(self) -> Rates:
-        samples = self._calibration + list(self._observed)
-        if not samples:
+        if not self._calibration and not self._observed:
             raise RuntimeError("no step has been measured yet")
-        base, per_token, per_decode = _least_squares(samples)
+        base, per_token, per_decode = self._least_squares()
         prefill_time = base + per_token * self.reference_prefill_tokens
         decode_time = base + per_decode * self.reference_decode_batch
         return Rates(
@@ -100,28 +104,40 @@ class RateTracker:
             num_observed_steps=len(self._observed),
         )
 
-
-def _least_squares(samples: list[StepSample]) -> tuple[float, float, float]:
-    """Ridge least squares for the three step-time coefficients."""
-    xtx = [[0.0] * 3 for _ in range(3)]
-    xty = [0.0] * 3
-    for sample in samples:
-        row = (1.0, float(sample.num_prefill_tokens), float(sample.num_decode_requests))
+    def _least_squares(self) -> tuple[float, float, float]:
+        """Ridge least squares for the three step-time coefficients."""
+        xtx = [[float(value) for value in row] for row in self._sums.xtx]
+        xty = [value * 1e-9 for value in self._sums.xty_ns]
         for i in range(3):
-            xty[i] += row[i] * sample.seconds
+            xtx[i][i] += _RIDGE * (1.0 + xtx[i][i])
+        coefficients = _solve(xtx, xty)
+        # A coefficient fitted below zero means the data cannot tell it apart; fall back to the
+        # simplest consistent model rather than report a negative cost.
+        if min(coefficients) < 0:
+            samples = self._calibration + list(self._observed)
+            base = min(s.seconds for s in samples)
+            per_token = _mean_marginal(samples, base, lambda s: s.num_prefill_tokens)
+            per_decode = _mean_marginal(samples, base, lambda s: s.num_decode_requests)
+            return base, per_token, per_decode
+        return coefficients[0], coefficients[1], coefficients[2]
+
+
+class _NormalEquations:
+    """XᵀX and Xᵀy of the step-time regression, kept as running sums so that a refit costs the same
+    however many steps it spans. Step times enter in whole nanoseconds: every sum is an exact
+    integer, and removing a sample that leaves the window undoes its addition exactly."""
+
+    def __init__(self):
+        self.xtx = [[0] * 3 for _ in range(3)]
+        self.xty_ns = [0] * 3
+
+    def add(self, sample: StepSample, sign: int = 1) -> None:
+        row = (1, sample.num_prefill_tokens, sample.num_decode_requests)
+        nanoseconds = sign * round(sample.seconds * 1e9)
+        for i in range(3):
+            self.xty_ns[i] += row[i] * nanoseconds
             for j in range(3):
-                xtx[i][j] += row[i] * row[j]
-    for i in range(3):
-        xtx[i][i] += _RIDGE * (1.0 + xtx[i][i])
-    coefficients = _solve(xtx, xty)
-    # A coefficient fitted below zero means the data cannot tell it apart; fall back to the
-    # simplest consistent model rather than report a negative cost.
-    if min(coefficients) < 0:
-        base = min(s.seconds for s in samples)
-        per_token = _mean_marginal(samples, base, lambda s: s.num_prefill_tokens)
-        per_decode = _mean_marginal(samples, base, lambda s: s.num_decode_requests)
-        return base, per_token, per_decode
-    return coefficients[0], coefficients[1], coefficients[2]
+                self.xtx[i][j] += sign * row[i] * row[j]
 
 
 def _mean_marginal(samples: list[StepSample], base: float, units) -> float:

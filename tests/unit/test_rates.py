@@ -136,3 +136,15 @@ def test_inconsistent_data_never_reports_a_negative_cost():
     assert rates.step_per_decode_s >= 0
     assert math.isfinite(rates.prefill_tok_s) and rates.prefill_tok_s > 0
     assert math.isfinite(rates.decode_tok_s) and rates.decode_tok_s > 0
+
+
+def test_a_window_that_turned_over_many_times_fits_exactly_as_its_last_steps_alone():
+    window = 8
+    rolled = calibrated_tracker(window=window)
+    observed = [sample(p, d, per_token=(1 + i % 5) * PER_TOKEN) for i, (p, d) in enumerate(GRID * 40)]
+    for step in observed:
+        rolled.observe(step)
+    fresh = calibrated_tracker(window=window)
+    for step in observed[-window:]:
+        fresh.observe(step)
+    assert rolled.rates() == fresh.rates()
