@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -333,9 +333,11 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.engine.healthy and self._thread.is_alive()
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request,
+                       on_queued: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` and yield its outputs until the last one.
 
+        ``on_queued``, if given, is awaited once the request is queued, while its first step runs.
         Closing or abandoning the iterator (or cancelling its task) aborts the request; its blocks are
         freed at once, or when the step in flight ends if that step computes it. Validation errors are raised before the first output.
         """
@@ -347,6 +349,8 @@ class AsyncEngine:
             self._notify_watchers()
         finished = False
         try:
+            if on_queued is not None:
+                await on_queued()
             while not finished:
                 output = await queue.get()
                 finished = output.finished

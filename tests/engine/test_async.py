@@ -69,6 +69,23 @@ async def test_cancelling_the_consumer_task_aborts(engine):
     assert_no_leaks(engine.engine)
 
 
+async def test_on_queued_runs_once_queued_and_its_failure_aborts_the_request(engine):
+    queued = []
+
+    async def on_queued():
+        load = engine.state().load
+        queued.append(load.num_running + load.num_waiting)
+        raise ConnectionError("the caller went away")
+
+    request = greedy_request("q", random_prompt(engine.engine, 30, seed=3), 500)
+    with pytest.raises(ConnectionError):
+        async for _ in engine.generate(request, on_queued=on_queued):
+            pass
+    assert queued == [1]
+    await wait_until(lambda: engine.state().load.num_running + engine.state().load.num_waiting == 0)
+    assert_no_leaks(engine.engine)
+
+
 async def test_cancellation_storm_leaves_no_state(engine):
     async def consume(i):
         count = 0

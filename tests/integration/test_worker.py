@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -205,6 +206,24 @@ def test_pending_budgets_move_as_requests_queue_run_and_finish(single_slot_worke
     second.cancel()
     state = wait_until(lambda: (s := estimate(worker)).num_running == 0 and s)
     assert (state.pending_prefill_tokens, state.pending_decode_tokens, state.kv_blocks_used) == (0, 0, 0)
+
+
+def test_a_queued_request_gets_its_headers_before_any_token(single_slot_worker):
+    """A proxy in front of the worker learns the call was taken at once, not together with the first token."""
+    worker = single_slot_worker
+    request = worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(40))), max_new_tokens=900, sampling=GREEDY,
+                                         ignore_eos=True)
+    running = worker.stub.Generate(request, timeout=60)
+    next(running)
+    queued = worker.stub.Generate(request, timeout=60)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(queued.initial_metadata).result(timeout=10)
+            assert estimate(worker).num_waiting == 1  # still queued behind the running request: no token yet
+    finally:
+        running.cancel()
+        queued.cancel()
+    wait_until(lambda: estimate(worker).num_running == 0)
 
 
 def test_metrics_parse_and_move_after_requests(worker):
