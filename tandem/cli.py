@@ -10,9 +10,16 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:  # whoever read the output stopped early, as `tandem sim --json | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so flushing at exit fails no more
+        return 1
+
+
+def _run(argv: list[str]) -> int:
     from tandem.client import DEFAULT_ROUTER
 
-    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sim"]:
         # The simulator lives with the router, whose policies it runs.
         from router_svc.sim.cli import main as sim_main

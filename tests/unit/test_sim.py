@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -86,3 +88,13 @@ def test_cli_rejects_bad_options_with_their_names(capsys):
     with pytest.raises(SystemExit):
         sim_main(["--gpu-max-active", "0"])
     assert "--gpu-max-active" in capsys.readouterr().err
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    command = [sys.executable, "-m", "tandem.cli", "sim", "--workload", "poisson", "--requests", "2000", "--rate", "5",
+               "--json"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before the simulator writes a byte
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert b"Traceback" not in stderr and b"BrokenPipeError" not in stderr
