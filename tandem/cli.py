@@ -11,7 +11,9 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _run(sys.argv[1:] if argv is None else argv)
+        code = _run(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # a piped stdout is buffered: a closed pipe shows here, not in a print
+        return code
     except BrokenPipeError:  # whoever read the output stopped early, as `tandem sim --json | head` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so flushing at exit fails no more
         return 1

@@ -337,7 +337,8 @@ class AsyncEngine:
                        on_queued: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` and yield its outputs until the last one.
 
-        ``on_queued``, if given, is awaited once the request is queued, while its first step runs.
+        ``on_queued``, if given, is awaited once the request is queued, before its first output; if it
+        raises or is cancelled, the request is aborted and the exception propagates.
         Closing or abandoning the iterator (or cancelling its task) aborts the request; its blocks are
         freed at once, or when the step in flight ends if that step computes it. Validation errors are raised before the first output.
         """

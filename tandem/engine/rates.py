@@ -71,6 +71,8 @@ class RateTracker:
         self._rates = None
 
     def observe(self, sample: StepSample) -> None:
+        if self._observed.maxlen == 0:  # a fit of the calibration alone
+            return
         if len(self._observed) == self._observed.maxlen:
             self._sums.add(self._observed[0], -1)
         self._observed.append(sample)
@@ -123,8 +125,8 @@ class RateTracker:
 
 
 class _NormalEquations:
-    """XᵀX and Xᵀy of the step-time regression, kept as running sums so that a refit costs the same
-    however many steps it spans. Step times enter in whole nanoseconds: every sum is an exact
+    """XᵀX and Xᵀy of the step-time regression, kept as running sums so that a well-posed refit costs
+    the same however many steps it spans. Step times enter in whole nanoseconds: every sum is an exact
     integer, and removing a sample that leaves the window undoes its addition exactly."""
 
     def __init__(self):

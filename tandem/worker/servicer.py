@@ -97,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._inflight += 1
             self._idle.clear()
             try:
-                # Headers go out while the first step runs, so they do not ride on the first token.
+                # Headers go out once the request is queued, so they do not ride on the first token.
                 async for output in engine.generate(engine_request, on_queued=lambda: context.send_initial_metadata(())):
                     if output.finish_reason is FinishReason.ERROR:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {output.error}")

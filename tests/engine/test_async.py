@@ -86,6 +86,27 @@ async def test_on_queued_runs_once_queued_and_its_failure_aborts_the_request(eng
     assert_no_leaks(engine.engine)
 
 
+async def test_cancelling_the_consumer_inside_on_queued_aborts(engine):
+    entered = asyncio.Event()
+
+    async def on_queued():
+        entered.set()
+        await asyncio.Event().wait()  # an acknowledgement that never completes
+
+    async def consume():
+        async for _ in engine.generate(greedy_request("stuck", random_prompt(engine.engine, 30, seed=4), 500),
+                                       on_queued=on_queued):
+            pass
+
+    task = asyncio.create_task(consume())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: engine.state().load.num_running + engine.state().load.num_waiting == 0)
+    assert_no_leaks(engine.engine)
+
+
 async def test_cancellation_storm_leaves_no_state(engine):
     async def consume(i):
         count = 0

@@ -216,13 +216,14 @@ def test_a_queued_request_gets_its_headers_before_any_token(single_slot_worker):
     running = worker.stub.Generate(request, timeout=60)
     next(running)
     queued = worker.stub.Generate(request, timeout=60)
+    pool = ThreadPoolExecutor(1)
     try:
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(queued.initial_metadata).result(timeout=10)
-            assert estimate(worker).num_waiting == 1  # still queued behind the running request: no token yet
+        pool.submit(queued.initial_metadata).result(timeout=10)
+        assert estimate(worker).num_waiting == 1  # still queued behind the running request: no token yet
     finally:
         running.cancel()
         queued.cancel()
+        pool.shutdown()
     wait_until(lambda: estimate(worker).num_running == 0)
 
 

@@ -148,3 +148,12 @@ def test_a_window_that_turned_over_many_times_fits_exactly_as_its_last_steps_alo
     for step in observed[-window:]:
         fresh.observe(step)
     assert rolled.rates() == fresh.rates()
+
+
+def test_a_window_of_zero_fits_the_calibration_alone():
+    tracker = calibrated_tracker(window=0)
+    for _ in range(5):
+        tracker.observe(sample(128, 4, per_token=10 * PER_TOKEN))
+    rates = tracker.rates()
+    assert rates.num_observed_steps == 0
+    assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
