@@ -24,8 +24,9 @@ class QueuedWork:
 class WorkerView:
     """What the router knows about one worker when it decides.
 
-    ``pending_*`` and ``queue`` include in-flight credit: requests the router dispatched that the
-    worker's report does not show yet. ``step_*`` is the worker's fitted step-time model.
+    ``pending_*``, ``num_waiting`` and ``queue`` include in-flight credit: requests the router
+    dispatched that the worker's report does not show yet, ``inflight_requests`` of them.
+    ``step_*`` is the worker's fitted step-time model.
     """
 
     name: str
@@ -128,7 +129,7 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
 
 
 def least_loaded_score(view: WorkerView, request: RouteInput) -> Score:
-    return Score(view.name, float(view.num_running + view.num_waiting + view.inflight_requests))
+    return Score(view.name, float(view.num_running + view.num_waiting))
 
 
 def cache_aware_score(view: WorkerView, request: RouteInput) -> Score:

@@ -117,20 +117,22 @@ def test_client_cancel_cancels_the_worker_call(stack):
                and s.kv_blocks_used == 0)
 
 
-def test_a_burst_is_spread_by_in_flight_credit(stack):
+def test_each_decision_of_a_burst_counts_every_request_routed_before_it_once(stack):
+    """A request the router sent counts, as in-flight credit, until the worker reports it, and then
+    as reported: never twice, never not at all. So a simultaneous burst spreads evenly by load."""
     router, workers = stack
-
-    def first_decision(i: int) -> router_pb2.RoutingDecision:
-        call = router.stub.Generate(route([300 + i] * 24, 200), timeout=60)
-        decision = next(call).decision
-        for _ in call:
-            pass
-        return decision
-
-    with ThreadPoolExecutor(8) as pool:
-        decisions = list(pool.map(first_decision, range(8)))
-    chosen = Counter(d.chosen_worker for d in decisions)
-    assert min(chosen["cpu"], chosen["gpu"]) >= 2, decisions
+    calls = [router.stub.Generate(route([300 + i] * 24, 900, policy="least_loaded"), timeout=60) for i in range(8)]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            decisions = list(pool.map(lambda call: next(call).decision, calls))
+    finally:
+        for call in calls:
+            call.cancel()
+    seen = sorted(sum(s.num_running + s.num_waiting for s in d.scores) for d in decisions)
+    assert seen == list(range(8)), decisions
+    assert Counter(d.chosen_worker for d in decisions) == {"cpu": 4, "gpu": 4}
+    for worker in workers.values():
+        wait_until(lambda: worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5).num_running == 0)
 
 
 def test_list_backends_reports_every_worker(stack):

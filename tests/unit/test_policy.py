@@ -149,11 +149,11 @@ def test_tie_with_equal_rates_goes_to_the_name():
 # --- least_loaded, cache_aware, gpu_only, round_robin ---------------------------------------------------
 
 
-def test_least_loaded_counts_running_waiting_and_inflight():
+def test_least_loaded_counts_running_and_waiting_requests_credit_included_once():
     request = RouteInput(prompt_tokens=10, max_new_tokens=10)
     a = make_view("a", num_running=3, decode_tok_s=1000.0)
-    b = make_view("b", num_running=1, num_waiting=1, inflight_requests=2)  # 4
-    c = make_view("c", num_waiting=1, inflight_requests=1, pending_decode_tokens=10**6)  # 2, heavy in tokens
+    b = make_view("b", num_running=1, num_waiting=3, inflight_requests=2)  # 1 waiting reported, 2 credited
+    c = make_view("c", num_waiting=2, inflight_requests=1, pending_decode_tokens=10**6)  # 2, heavy in tokens
     decision = POLICIES["least_loaded"]([a, b, c], request)
     assert scores_by_worker(decision) == {"a": 3.0, "b": 4.0, "c": 2.0}
     assert decision.chosen == "c"
