@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import threading
 import time
@@ -400,6 +401,10 @@ class AsyncEngine:
         return state
 
     def _run(self) -> None:
+        if hasattr(os, "SCHED_BATCH"):
+            # Model steps are batch work: on a shared host, the service's own I/O, a router and its
+            # clients wake up ahead of them, so probes and tokens do not wait behind a step.
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         while True:
             with self._wakeup:
                 while not self.engine.has_work() and not self._stopping:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -30,6 +31,12 @@ async def wait_until(predicate, timeout=10.0):
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached"
         await asyncio.sleep(0.005)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+async def test_the_engine_thread_is_scheduled_as_batch_work(engine):
+    assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop's thread keeps its class
 
 
 async def test_concurrent_streams_match_reference(engine, tiny_llama):
