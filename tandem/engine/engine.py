@@ -401,10 +401,12 @@ class AsyncEngine:
         return state
 
     def _run(self) -> None:
-        if hasattr(os, "SCHED_BATCH"):
-            # Model steps are batch work: on a shared host, the service's own I/O, a router and its
-            # clients wake up ahead of them, so probes and tokens do not wait behind a step.
+        # Model steps are batch work: on a shared host, the service's own I/O, a router and its
+        # clients wake up ahead of them, so probes and tokens do not wait behind a step.
+        try:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except (AttributeError, OSError) as exc:  # not Linux, or a sandbox that forbids it
+            logger.info("the engine thread keeps its scheduling class: %r", exc)
         while True:
             with self._wakeup:
                 while not self.engine.has_work() and not self._stopping:
