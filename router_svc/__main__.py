@@ -24,8 +24,8 @@ HEALTH_POLL_S = 0.25
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives. Health is SERVING while any worker is healthy."""
-    from tandem.engine.model.factory import load_tokenizer
     from tandem.engine.model.loader import model_fingerprint, resolve_model
+    from tandem.engine.model.tokenizer import load_prompt_tokenizer as load_tokenizer
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()

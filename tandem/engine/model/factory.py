@@ -6,12 +6,7 @@ from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.model.loader import resolve_model
 from tandem.engine.model.runner import ModelRunner
-
-
-def load_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, clean_up_tokenization_spaces=False)
+from tandem.engine.model.tokenizer import load_tokenizer
 
 
 def build_engine(
