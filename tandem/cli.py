@@ -8,6 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+# Subcommands other installed packages provide, as entry points: name = "module:function taking argv".
+# The library imports no service; `tandem sim` comes from router_svc this way (see pyproject.toml).
+COMMANDS_GROUP = "tandem.commands"
+
 
 def main(argv: list[str] | None = None) -> int:
     try:
@@ -22,15 +26,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     from tandem.client import DEFAULT_ROUTER
 
-    if argv[:1] == ["sim"]:
-        # The simulator lives with the router, whose policies it runs.
-        from router_svc.sim.cli import main as sim_main
-
-        return sim_main(argv[1:])
     if argv[:1] == ["bench"]:
         from tandem.bench.live import main as bench_main
 
         return bench_main(argv[1:])
+    installed = _installed_commands()
+    if argv[:1] and argv[0] in installed:
+        return installed[argv[0]].load()(argv[1:])
 
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: LLM serving across CPU and GPU workers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -64,7 +66,8 @@ def _run(argv: list[str]) -> int:
                              help="file holding the bearer token (default: env TANDEM_TOKEN)")
 
     commands.add_parser("bench", help="drive the router or one worker with a workload (see tandem bench --help)")
-    commands.add_parser("sim", help="simulate routing with the real policy and scheduler (see tandem sim --help)")
+    for name, entry_point in installed.items():
+        commands.add_parser(name, help=_command_help(name, entry_point))
 
     args = parser.parse_args(argv)
     if args.command == "provision":
@@ -79,6 +82,26 @@ def _run(argv: list[str]) -> int:
 
         return run_stack(args.model, args.router_port, args.cpu_port, args.gpu_port, args.log_dir or tandem_home() / "logs")
     return _call_router(args)
+
+
+def _installed_commands() -> dict:
+    from importlib.metadata import entry_points
+
+    return {entry_point.name: entry_point for entry_point in entry_points(group=COMMANDS_GROUP)}
+
+
+def _command_help(name: str, entry_point) -> str:
+    """The summary line of the command's module docstring ("`tandem NAME`: summary"), read without importing it."""
+    import ast
+    import importlib.util
+
+    try:
+        origin = importlib.util.find_spec(entry_point.module).origin
+        docstring = ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8"))) or ""
+    except (ImportError, AttributeError, OSError, SyntaxError, TypeError, ValueError):
+        docstring = ""
+    summary = docstring.partition("\n")[0].removeprefix(f"`tandem {name}`:").strip().rstrip(".")
+    return f"{summary} (see tandem {name} --help)" if summary else f"see tandem {name} --help"
 
 
 def _call_router(args: argparse.Namespace) -> int:
