@@ -19,12 +19,12 @@ import json
 import os
 import platform
 import random
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from tandem.bench.results import percentile
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
@@ -175,11 +175,6 @@ PEERS = {
 }
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -216,8 +211,8 @@ def main() -> None:
     for key, values in tandem["ttft_s"].items():
         prefix = "" if key.startswith("single_") else "burst_"
         label = prefix + key.split("_")[1]
-        ttft_ms[f"{label}_p50"] = 1000 * statistics.median(values)
-        ttft_ms[f"{label}_p95"] = 1000 * percentile(values, 0.95)
+        ttft_ms[f"{label}_p50"] = 1000 * percentile(values, 50)
+        ttft_ms[f"{label}_p95"] = 1000 * percentile(values, 95)
     report = {
         "benchmark": "engine",
         "workload": {
