@@ -37,6 +37,14 @@ _FINISH_REASONS = {
     FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
 }
 
+# The engine's errors and their status codes: the one mapping every RPC here uses (see _abort_for).
+_STATUS_CODES = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    EngineDeadError: grpc.StatusCode.UNAVAILABLE,
+}
+_ENGINE_ERRORS = tuple(_STATUS_CODES)
+
 
 @dataclass(frozen=True)
 class WorkerIdentity:
@@ -99,20 +107,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 # Headers go out once the request is queued, so they do not ride on the first token.
                 async for output in engine.generate(engine_request, on_queued=lambda: context.send_initial_metadata(())):
-                    if output.finish_reason is FinishReason.ERROR:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {output.error}")
+                    if output.finish_reason is FinishReason.ERROR:  # the engine failed and ended every request
+                        raise EngineDeadError(output.error)
                     if output.finish_reason is FinishReason.ABORTED:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished")
                     if output.finished:
                         _record_engine_phases(span, engine_request, output)
                         metrics.record_finished(output)
                     yield _to_response(engine_request.req_id, output)
-            except InvalidRequestError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except QueueFullError as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except EngineDeadError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker engine failed: {exc}")
+            except _ENGINE_ERRORS as exc:
+                await _abort_for(context, exc)
             finally:
                 self._inflight -= 1
                 if self._inflight == 0:
@@ -132,10 +136,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def WatchState(self, request: worker_pb2.WatchStateRequest, context: grpc.aio.ServicerContext):
         interval = request.interval_s or 1.0
         if not math.isfinite(interval) or not MIN_WATCH_INTERVAL_S <= interval <= MAX_WATCH_INTERVAL_S:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"interval_s: must be 0 or within [{MIN_WATCH_INTERVAL_S}, {MAX_WATCH_INTERVAL_S}], got {interval!r}",
-            )
+            await _abort_for(context, InvalidRequestError(
+                "interval_s", f"must be 0 or within [{MIN_WATCH_INTERVAL_S}, {MAX_WATCH_INTERVAL_S}], got {interval!r}"))
         engine = await self._require_state(context)
         while True:
             state = engine.state()
@@ -178,7 +180,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             return await self._parse_request(message)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await _abort_for(context, exc)
 
     async def _parse_request(self, message: worker_pb2.GenerateRequest) -> Request:
         request_id = message.request_id or uuid.uuid4().hex
@@ -244,6 +246,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 for r in load.requests
             ],
         )
+
+
+async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with the status code of the engine error ``exc`` (see _STATUS_CODES)."""
+    code = next(code for error, code in _STATUS_CODES.items() if isinstance(exc, error))
+    details = f"worker engine failed: {exc}" if isinstance(exc, EngineDeadError) else str(exc)
+    await context.abort(code, details)
 
 
 def _to_response(request_id: str, output: RequestOutput) -> worker_pb2.GenerateResponse:

@@ -1,0 +1,92 @@
+"""The worker servicer maps each engine error to one status code, in every RPC."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tandem.engine.request import FinishReason
+from tandem.v1 import worker_pb2
+from tandem.worker.servicer import WorkerServicer
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """The parts of grpc.aio.ServicerContext the servicer uses; ``abort`` records the status and raises."""
+
+    def __init__(self):
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    def invocation_metadata(self):
+        return ()
+
+    async def send_initial_metadata(self, metadata):
+        pass
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        self.status = (code, details)
+        raise Aborted
+
+    def code(self):
+        return self.status[0] if self.status else None
+
+    def details(self):
+        return self.status[1] if self.status else None
+
+
+class FakeEngine:
+    """Generates nothing but ``outcome``: an exception it raises, or one output it yields."""
+
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    async def generate(self, request, on_queued=None):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        yield self.outcome
+
+
+async def generate_status(engine, request=None) -> tuple[grpc.StatusCode, str]:
+    servicer = WorkerServicer("cpu")
+    servicer.attach(engine, identity=None, tokenizer=None)
+    context = FakeContext()
+    request = request or worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 2]), max_new_tokens=4)
+    with pytest.raises(Aborted):
+        async for _ in servicer.Generate(request, context):
+            pass
+    return context.status
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (InvalidRequestError("max_new_tokens", "too many"), (grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens: too many")),
+    (QueueFullError("waiting queue is full (8)"), (grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue is full (8)")),
+    (EngineDeadError("CUDA error"), (grpc.StatusCode.UNAVAILABLE, "worker engine failed: CUDA error")),
+])
+async def test_generate_maps_each_engine_error_to_its_status(error, status):
+    assert await generate_status(FakeEngine(error)) == status
+
+
+async def test_a_request_ended_by_an_engine_failure_is_unavailable_like_a_dead_engine():
+    output = SimpleNamespace(finish_reason=FinishReason.ERROR, error="CUDA error", finished=True)
+    assert await generate_status(FakeEngine(output)) == (grpc.StatusCode.UNAVAILABLE, "worker engine failed: CUDA error")
+
+
+async def test_an_invalid_request_is_refused_before_the_engine_sees_it():
+    request = worker_pb2.GenerateRequest(max_new_tokens=4)
+    assert await generate_status(FakeEngine(AssertionError("not reached")), request) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "prompt: set prompt_token_ids or prompt_text")
+
+
+async def test_watch_state_refuses_an_interval_out_of_range_naming_the_field():
+    servicer = WorkerServicer("cpu")
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        async for _ in servicer.WatchState(worker_pb2.WatchStateRequest(interval_s=1000), context):
+            pass
+    assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "interval_s: must be 0 or within [0.01, 60.0], got 1000.0")
