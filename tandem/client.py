@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+from tandem.protocol import decision_from_message
 from tandem.security import ClientTLS, bearer_metadata, channel
 from tandem.telemetry import outgoing_metadata
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -54,24 +55,7 @@ class RouterClient:
 
 def format_decision(decision: router_pb2.RoutingDecision) -> str:
     """The decision as a table: one row per worker, the chosen one marked."""
-    lines = [
-        f"policy {decision.policy}: {decision.prompt_tokens} prompt tokens, {decision.max_new_tokens} new "
-        f"-> {decision.chosen_worker}" + (f" (after failures: {', '.join(decision.failed_workers)})"
-                                          if decision.failed_workers else ""),
-        f"  {'worker':<10}{'score s':>9}{'cached':>8}{'prefill':>9}{'decode':>8}{'inflight':>9}"
-        f"{'prefill/s':>11}{'decode/s':>10}  source",
-    ]
-    for s in decision.scores:
-        mark = "*" if s.worker == decision.chosen_worker else " "
-        if not s.eligible:
-            lines.append(f"{mark} {s.worker:<10}  not eligible: {s.reason}")
-            continue
-        lines.append(
-            f"{mark} {s.worker:<10}{s.score_s:>9.3f}{s.cached_tokens:>8}{s.pending_prefill_tokens:>9}"
-            f"{s.pending_decode_tokens:>8}{s.inflight_requests:>9}{s.prefill_tokens_per_s:>11.0f}"
-            f"{s.decode_tokens_per_s:>10.0f}  {s.state_source}"
-        )
-    return "\n".join(lines)
+    return decision_from_message(decision).table()
 
 
 def format_backends(backends: list[router_pb2.Backend]) -> str:

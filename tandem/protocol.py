@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+from tandem.decision import RoutingDecision, WorkerScore
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.request import SamplingParams
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, router_pb2
 
 WORKER_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
+_KIND_NAMES = {number: name for name, number in WORKER_KINDS.items()}
+_SCORE_FIELDS = tuple(f.name for f in fields(WorkerScore) if f.name != "kind")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
 
 
@@ -21,3 +26,21 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         return SamplingParams(**given)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
+
+
+def decision_message(decision: RoutingDecision) -> router_pb2.RoutingDecision:
+    return router_pb2.RoutingDecision(
+        policy=decision.policy, chosen_worker=decision.chosen_worker, prompt_tokens=decision.prompt_tokens,
+        max_new_tokens=decision.max_new_tokens, failed_workers=decision.failed_workers,
+        scores=[router_pb2.WorkerScore(kind=WORKER_KINDS[s.kind], **{name: getattr(s, name) for name in _SCORE_FIELDS})
+                for s in decision.scores],
+    )
+
+
+def decision_from_message(message: router_pb2.RoutingDecision) -> RoutingDecision:
+    return RoutingDecision(
+        policy=message.policy, chosen_worker=message.chosen_worker, prompt_tokens=message.prompt_tokens,
+        max_new_tokens=message.max_new_tokens, failed_workers=tuple(message.failed_workers),
+        scores=tuple(WorkerScore(kind=_KIND_NAMES.get(s.kind, ""), **{name: getattr(s, name) for name in _SCORE_FIELDS})
+                     for s in message.scores),
+    )
