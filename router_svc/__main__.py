@@ -10,6 +10,7 @@ import sys
 from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry
 from router_svc.config import RouterConfig, parse_config
+from router_svc.router import Router
 from router_svc.servicer import RouterServicer
 from tandem.security import BearerTokenAuth
 from tandem.serving import GrpcService, serve_metrics
@@ -40,11 +41,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     service = GrpcService(ROUTER_SERVICE, config.host, config.port, tls=config.tls, interceptors=auth, options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ])
-    router_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(registry, tokenizer, config.policy, config.probe_deadline_ms / 1000,
-                       Admission(config.max_inflight, config.max_queued, config.queue_timeout_s)),
-        service.server,
-    )
+    router = Router(registry, Admission(config.max_inflight, config.max_queued, config.queue_timeout_s),
+                    config.probe_deadline_ms / 1000)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, config.policy), service.server)
     serve_metrics(config.host, config.metrics_port)
     registry.start()
     await service.server.start()

@@ -9,9 +9,14 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from router_svc.routing import RoutingError, Status
 
-class AdmissionRefused(Exception):
+
+class AdmissionRefused(RoutingError):
     """The request was not admitted (queue full or queue timeout); the message says which."""
+
+    def __init__(self, message: str):
+        super().__init__(Status.RESOURCE_EXHAUSTED, message)
 
 
 class Admission:

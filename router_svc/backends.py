@@ -10,12 +10,17 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from opentelemetry.trace import SpanKind
+
 from router_svc.policy import QueuedWork, WorkerView
 from router_svc.probes import ProbeStream
+from router_svc.routing import Credit, Status, WorkerCallFailed, WorkerReport, build_view
 from tandem.security import ClientTLS, aio_channel
+from tandem.telemetry import child_span, mark_failed, outgoing_metadata, tracer
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+_tracer = tracer("tandem.router")
 
 WATCH_INTERVAL_S = 0.5
 BACKOFF_INITIAL_S = 0.1
@@ -41,15 +46,6 @@ class WorkerAddress:
         if match is None or not 0 < int(match["port"]) < 65536:
             raise ValueError(f"worker {spec!r}: expected NAME=KIND@HOST:PORT with KIND cpu or gpu")
         return cls(match["name"], match["kind"], match["host"], int(match["port"]))
-
-
-@dataclass
-class Credit:
-    """A request the router sent to a worker, counted until the worker's reports show it."""
-
-    request_id: str
-    prefill_tokens: int
-    decode_tokens: int
 
 
 class Backend:
@@ -100,32 +96,25 @@ class Backend:
 
     def view(self, estimate: common_pb2.BackendState | None) -> WorkerView:
         """This worker's view for a policy: the fresh estimate (or the latest snapshot) plus credit."""
-        state = estimate if estimate is not None else self.state
-        visible = {r.request_id for r in state.requests}
-        credited = [c for c in self.credits.values() if c.request_id not in visible]
-        queue = tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens) for r in state.requests)
-        queue += tuple(QueuedWork(False, c.prefill_tokens, c.decode_tokens) for c in credited)
+        report = self.report(estimate if estimate is not None else self.state)
+        return build_view(report, estimate.cached_tokens if estimate is not None else 0, self.credits.values(),
+                          "estimate" if estimate is not None else "snapshot")
+
+    def report(self, state: common_pb2.BackendState) -> WorkerReport:
         rates = state.rates
-        return WorkerView(
-            name=self.name,
-            kind=self.kind,
-            cached_tokens=estimate.cached_tokens if estimate is not None else 0,
-            pending_prefill_tokens=state.pending_prefill_tokens + sum(c.prefill_tokens for c in credited),
-            pending_decode_tokens=state.pending_decode_tokens + sum(c.decode_tokens for c in credited),
-            num_running=state.num_running,
-            num_waiting=state.num_waiting + len(credited),
-            max_active_requests=state.max_active_requests,
-            prefill_tok_s=rates.prefill_tokens_per_s,
-            decode_tok_s=rates.decode_tokens_per_s,
-            step_base_s=rates.step_base_s,
-            step_per_prefill_token_s=rates.step_per_prefill_token_s,
+        return WorkerReport(
+            name=self.name, kind=self.kind, device=state.device,
+            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens, request_id=r.request_id)
+                           for r in state.requests),
+            max_active_requests=state.max_active_requests, max_num_batched_tokens=self.info.max_num_batched_tokens,
+            prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
+            step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
             step_per_decode_s=rates.step_per_decode_s,
-            max_num_batched_tokens=self.info.max_num_batched_tokens,
-            queue=queue,
-            inflight_requests=len(credited),
-            device=state.device,
-            state_source="estimate" if estimate is not None else "snapshot",
         )
+
+    def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span) -> "WorkerCall":
+        """Start a Generate call on this worker now; iterate the result for its responses."""
+        return WorkerCall(self, request, timeout, parent_span)
 
     def probe(self, request: worker_pb2.EstimateRequest) -> asyncio.Future:
         """Ask for a fresh Estimate; the future holds the answer, or None if the worker cannot answer."""
@@ -176,6 +165,42 @@ class Backend:
 
 class _Retry(Exception):
     pass
+
+
+class WorkerCall:
+    """One Generate call to a worker, started at once, traced as a CLIENT span.
+
+    Iterating yields the worker's responses; a failed call raises ``WorkerCallFailed``. ``close``
+    cancels the call (leaving the loop does not cancel a grpc.aio call) and ends the span.
+    """
+
+    def __init__(self, backend: Backend, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span):
+        self.worker = backend.name
+        self.span = child_span(_tracer, parent_span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
+            "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
+            "server.address": backend.address.host, "server.port": backend.address.port, "tandem.worker": backend.name,
+        })
+        self._call = backend.stub.Generate(request, timeout=timeout, metadata=outgoing_metadata(self.span))
+        self._responses = self._call.__aiter__()
+
+    def __aiter__(self) -> "WorkerCall":
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        try:
+            return await self._responses.__anext__()
+        except StopAsyncIteration:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            mark_failed(self.span, exc)
+            raise WorkerCallFailed(self.worker, Status[exc.code().name], exc.details()) from None
+        except BaseException as exc:
+            mark_failed(self.span, exc)
+            raise
+
+    def close(self) -> None:
+        self._call.cancel()
+        self.span.end()
 
 
 async def probe_all(backends: list[Backend], prompt_token_ids: list[int],

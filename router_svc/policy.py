@@ -9,33 +9,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
 class QueuedWork:
-    """One request's remaining work on a worker (as reported, or credited by the router)."""
+    """One request's remaining work on a worker: as reported, or ``credited`` by the router (dispatched, and
+    not in the worker's report yet)."""
 
     running: bool
     prefill_tokens: int
     decode_tokens: int
+    credited: bool = False
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
 class WorkerView:
     """What the router knows about one worker when it decides.
 
-    ``pending_*``, ``num_waiting`` and ``queue`` include in-flight credit: requests the router
-    dispatched that the worker's report does not show yet, ``inflight_requests`` of them.
+    ``queue`` is every request on the worker, in-flight credit included; the totals are derived from it.
     ``step_*`` is the worker's fitted step-time model.
     """
 
     name: str
     kind: str
     cached_tokens: int
-    pending_prefill_tokens: int
-    pending_decode_tokens: int
-    num_running: int
-    num_waiting: int
     max_active_requests: int
     prefill_tok_s: float
     decode_tok_s: float
@@ -44,9 +43,28 @@ class WorkerView:
     step_per_decode_s: float = 0.0
     max_num_batched_tokens: int = 512
     queue: tuple[QueuedWork, ...] = ()
-    inflight_requests: int = 0
     device: str = ""
     state_source: str = "estimate"
+
+    @cached_property
+    def num_running(self) -> int:
+        return sum(1 for work in self.queue if work.running)
+
+    @cached_property
+    def num_waiting(self) -> int:
+        return len(self.queue) - self.num_running
+
+    @cached_property
+    def pending_prefill_tokens(self) -> int:
+        return sum(work.prefill_tokens for work in self.queue)
+
+    @cached_property
+    def pending_decode_tokens(self) -> int:
+        return sum(work.decode_tokens for work in self.queue)
+
+    @cached_property
+    def inflight_requests(self) -> int:
+        return sum(1 for work in self.queue if work.credited)
 
 
 @dataclass(frozen=True)

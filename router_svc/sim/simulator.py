@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, QueuedWork, RouteInput, WorkerView
+from router_svc.routing import WorkerReport, build_view
 from router_svc.sim.profiles import WorkerProfile
 from tandem.bench.results import OK, RequestRecord, summarize
 from tandem.bench.workloads import Workload, WorkloadRequest
@@ -50,26 +51,17 @@ class SimWorker:
         self.max_running = 0
 
     def view(self, prompt_token_ids: tuple[int, ...]) -> WorkerView:
-        load = self.scheduler.load()
         rates = self.rates
-        return WorkerView(
-            name=self.name,
-            kind=self.profile.kind,
-            cached_tokens=self.scheduler.pool.cached_prefix_len(prompt_token_ids),
-            pending_prefill_tokens=load.running_prefill_tokens + load.waiting_prefill_tokens,
-            pending_decode_tokens=load.running_decode_budget + load.waiting_decode_budget,
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
+        report = WorkerReport(
+            name=self.name, kind=self.profile.kind, device=f"sim-{self.profile.kind}",
+            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_budget, request_id=r.req_id)
+                           for r in self.scheduler.load().requests),
             max_active_requests=self.profile.scheduler.max_active_requests,
-            prefill_tok_s=rates.prefill_tok_s,
-            decode_tok_s=rates.decode_tok_s,
-            step_base_s=rates.step_base_s,
-            step_per_prefill_token_s=rates.step_per_prefill_token_s,
-            step_per_decode_s=rates.step_per_decode_s,
             max_num_batched_tokens=self.profile.scheduler.max_num_batched_tokens,
-            queue=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_budget) for r in load.requests),
-            device=f"sim-{self.profile.kind}",
+            prefill_tok_s=rates.prefill_tok_s, decode_tok_s=rates.decode_tok_s, step_base_s=rates.step_base_s,
+            step_per_prefill_token_s=rates.step_per_prefill_token_s, step_per_decode_s=rates.step_per_decode_s,
         )
+        return build_view(report, self.scheduler.pool.cached_prefix_len(prompt_token_ids))
 
     def fits(self, request: WorkloadRequest) -> bool:
         """The engine's admission check: prompt plus budget must fit the KV cache at all."""

@@ -20,18 +20,25 @@ from router_svc.policy import (
 )
 
 
-def make_view(name: str = "w", kind: str = "gpu", **fields) -> WorkerView:
-    values = dict(
-        cached_tokens=0,
-        pending_prefill_tokens=0,
-        pending_decode_tokens=0,
-        num_running=0,
-        num_waiting=0,
-        max_active_requests=8,
-        prefill_tok_s=1000.0,
-        decode_tok_s=100.0,
-    )
+def make_view(name: str = "w", kind: str = "gpu", *, pending_prefill_tokens: int = 0, pending_decode_tokens: int = 0,
+              num_running: int = 0, num_waiting: int = 0, inflight_requests: int = 0, **fields) -> WorkerView:
+    """A view whose queue has these totals: ``num_running`` running and ``num_waiting`` waiting requests (the last
+    ``inflight_requests`` of them credited), prefill on the waiting ones (else the running ones), decode spread
+    over all. Totals without requests sit on one running request. An explicit ``queue`` is used as it is."""
+    values = dict(cached_tokens=0, max_active_requests=8, prefill_tok_s=1000.0, decode_tok_s=100.0)
     values.update(fields)
+    if "queue" not in values:
+        running = [[True, 0, 0, False] for _ in range(num_running)]
+        waiting = [[False, 0, 0, index >= num_waiting - inflight_requests] for index in range(num_waiting)]
+        if not running and not waiting and (pending_prefill_tokens or pending_decode_tokens):
+            running = [[True, 0, 0, False]]
+        queue = running + waiting
+        prefill_holders = waiting or running
+        for index, work in enumerate(prefill_holders):
+            work[1] = pending_prefill_tokens // len(prefill_holders) + (index < pending_prefill_tokens % len(prefill_holders))
+        for index, work in enumerate(queue):
+            work[2] = pending_decode_tokens // len(queue) + (index < pending_decode_tokens % len(queue))
+        values["queue"] = tuple(QueuedWork(*work) for work in queue)
     return WorkerView(name=name, kind=kind, **values)
 
 

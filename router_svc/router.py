@@ -1,0 +1,158 @@
+"""The router's request path, shared by every front end: admit, probe, route, proxy the worker's stream,
+fail over. It speaks in routing-core terms (``RoutingDecision``, ``RoutingError``); a front end only
+converts its requests in and its events out."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry.trace import Status as SpanStatus
+from opentelemetry.trace import StatusCode as SpanStatusCode
+
+from router_svc import metrics
+from router_svc.admission import Admission
+from router_svc.backends import BackendRegistry, probe_all
+from router_svc.policy import RouteInput
+from router_svc.routing import Failover, RoutingError, WorkerCallFailed, WorkerStatus, route
+from tandem.decision import RoutingDecision
+from tandem.telemetry import child_span, mark_failed, tracer
+from tandem.v1 import common_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+decision_log = logging.getLogger("tandem.router.decisions")
+_tracer = tracer("tandem.router")
+
+
+@dataclass(frozen=True)
+class RoutedRequest:
+    """A validated, tokenized request, ready to route.
+
+    ``worker_request`` is the message the chosen worker receives; ``deadline`` is a ``time.monotonic()``
+    instant, or None for none.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    policy: str
+    worker_request: worker_pb2.GenerateRequest
+    deadline: float | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class WorkerOutput:
+    """One response of the chosen worker's stream."""
+
+    worker: str
+    response: worker_pb2.GenerateResponse
+
+
+class Router:
+    """Routes requests over the registry's workers, each whole request to the worker its policy picks."""
+
+    def __init__(self, registry: BackendRegistry, admission: Admission, probe_deadline_s: float):
+        self.registry = registry
+        self.admission = admission
+        self.probe_deadline_s = probe_deadline_s
+        self._sequence = 0
+
+    async def generate(self, request: RoutedRequest, span) -> AsyncIterator[RoutingDecision | WorkerOutput]:
+        """The decision, then the worker's responses; after a failure before the first token, a new decision
+        and the next worker's responses.
+
+        Raises:
+            RoutingError: the request was refused or could not be completed; its status says how.
+        """
+        started = time.monotonic()
+        await self.admission.acquire()
+        try:
+            failover = Failover()
+            while True:
+                decision = await self.decide(request, span, failover)
+                backend = self.registry.backends[decision.chosen_worker]
+                self._sequence += 1
+                backend.dispatch(request.request_id, max(0, request.prompt_tokens - decision.chosen.cached_tokens),
+                                 request.max_new_tokens)
+                call = backend.generate(request.worker_request, _remaining(request.deadline), span)
+                streamed = 0
+                try:
+                    try:  # the worker call is already under way while the decision goes out
+                        yield decision
+                    finally:  # bookkeeping, kept off the way to the first token
+                        decision_log.info(json.dumps(decision.log_record(request.request_id)))
+                        metrics.record_decision(decision)
+                    async for response in call:
+                        if response.token_ids and not streamed:
+                            metrics.TTFT.observe(time.monotonic() - started)
+                        streamed += len(response.token_ids)
+                        if response.HasField("result"):
+                            _record_result(span, response.result)
+                            metrics.E2E.observe(time.monotonic() - started)
+                        yield WorkerOutput(backend.name, response)
+                    return
+                except WorkerCallFailed as failure:
+                    error = failover.after_failure(failure, streamed)
+                finally:
+                    call.close()
+                    backend.release(request.request_id)
+                backend.failed_requests += 1
+                if error is not None:
+                    raise error
+                logger.warning("worker %s failed before the first token (%s); failing over", backend.name,
+                               failover.failures[backend.name])
+                metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
+        finally:
+            self.admission.release()
+
+    async def decide(self, request: RoutedRequest, parent_span, failover: Failover | None = None) -> RoutingDecision:
+        """Probe every healthy worker not yet failed, and route by the request's policy.
+
+        Raises:
+            RoutingError: no worker can take the request.
+        """
+        failover = failover or Failover()
+        route_span = child_span(_tracer, parent_span, "route", attributes={"tandem.routing.policy": request.policy})
+        try:
+            candidates = [b for b in self.registry.healthy() if b.name not in failover.failures]
+            estimates = await probe_all(candidates, request.prompt_token_ids, self.probe_deadline_s)
+            views = [
+                b.view(estimate) for b, estimate in zip(candidates, estimates)
+                if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING
+            ]
+            decision = route(request.policy, RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence),
+                             views, self._workers(), failover)
+        except RoutingError as exc:
+            route_span.set_status(SpanStatus(SpanStatusCode.ERROR, f"{exc.status.name}: {exc}"))
+            raise
+        except BaseException as exc:
+            mark_failed(route_span, exc)
+            raise
+        else:
+            if route_span.is_recording():
+                route_span.set_attributes(decision.span_attributes())
+            return decision
+        finally:
+            route_span.end()
+
+    def _workers(self) -> list[WorkerStatus]:
+        return [WorkerStatus(b.name, b.kind, b.describe()) for b in self.registry.backends.values()]
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _record_result(span, result: worker_pb2.GenerateResult) -> None:
+    span.set_attributes({
+        "gen_ai.usage.output_tokens": result.usage.output_tokens,
+        "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(result.finish_reason)
+                                           .removeprefix("FINISH_REASON_").lower()],
+    })
