@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -15,14 +14,12 @@ from router_svc.router import RoutedRequest, Router
 from router_svc.routing import RoutingError
 from tandem.decision import RoutingDecision
 from tandem.engine.errors import InvalidRequestError
-from tandem.protocol import WORKER_KINDS, decision_message, sampling_params
+from tandem.protocol import WORKER_KINDS, decision_message, prompt_token_ids, sampling_params
 from tandem.telemetry import server_span, tracer
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 _tracer = tracer("tandem.router")
 _record_generate_status = metrics.rpc_status_recorder("Generate")
-
-_CHAT_ROLES = ("system", "user", "assistant")
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -78,7 +75,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if message.max_new_tokens <= 0:
             raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {message.max_new_tokens}")
         sampling_params(message.sampling)  # validated here, so a bad value never costs a routing decision
-        prompt = await self._tokenize(message)
+        prompt = await prompt_token_ids(message, self.tokenizer)
         request_id = message.request_id or uuid.uuid4().hex
         worker_request = worker_pb2.GenerateRequest(
             request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt),
@@ -87,34 +84,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         return RoutedRequest(request_id, prompt, message.max_new_tokens, policy, worker_request, deadline)
-
-    async def _tokenize(self, message: router_pb2.RouteRequest) -> list[int]:
-        kind = message.WhichOneof("prompt")
-        if kind is None:
-            raise InvalidRequestError("prompt", "set prompt_token_ids, prompt_text or chat")
-        if kind == "prompt_token_ids":
-            if not message.prompt_token_ids.ids:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            return list(message.prompt_token_ids.ids)
-        if kind == "prompt_text":
-            if not message.prompt_text:
-                raise InvalidRequestError("prompt_text", "must not be empty")
-            return await asyncio.to_thread(lambda: list(self.tokenizer(message.prompt_text)["input_ids"]))
-        if not message.chat.messages:
-            raise InvalidRequestError("chat.messages", "must not be empty")
-        for index, chat_message in enumerate(message.chat.messages):
-            if chat_message.role not in _CHAT_ROLES:
-                raise InvalidRequestError(f"chat.messages[{index}].role", f"must be one of {', '.join(_CHAT_ROLES)}")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidRequestError("chat", "this model has no chat template; send prompt_text or prompt_token_ids")
-        conversation = [{"role": m.role, "content": m.content} for m in message.chat.messages]
-        try:
-            return await asyncio.to_thread(
-                lambda: list(self.tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=True, tokenize=True, return_dict=False))
-            )
-        except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
-            raise InvalidRequestError("chat", f"the chat template rejected the messages: {exc}") from None
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: RoutingError | InvalidRequestError) -> None:

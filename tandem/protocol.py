@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import fields
 
 from tandem.decision import RoutingDecision, WorkerScore
@@ -13,6 +14,7 @@ WORKER_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND
 _KIND_NAMES = {number: name for name, number in WORKER_KINDS.items()}
 _SCORE_FIELDS = tuple(f.name for f in fields(WorkerScore) if f.name != "kind")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
@@ -26,6 +28,49 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         return SamplingParams(**given)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
+
+
+async def prompt_token_ids(message, tokenizer) -> list[int]:
+    """The ``prompt`` of a GenerateRequest or RouteRequest as token ids: as given, encoded from text, or a chat
+    rendered with the model's template. Encoding runs off the event loop.
+
+    Raises:
+        InvalidRequestError: the prompt is unset or empty, or the chat is invalid; the field is named.
+    """
+    kind = message.WhichOneof("prompt")
+    if kind is None:
+        *others, last = (f.name for f in message.DESCRIPTOR.oneofs_by_name["prompt"].fields)
+        raise InvalidRequestError("prompt", f"set {', '.join(others)} or {last}")
+    if kind == "prompt_token_ids":
+        ids = list(message.prompt_token_ids.ids)
+    elif kind == "prompt_text":
+        ids = message.prompt_text and await asyncio.to_thread(lambda: list(tokenizer(message.prompt_text)["input_ids"]))
+    else:
+        kind = "chat.messages"
+        ids = message.chat.messages and await encode_chat(
+            tokenizer, [{"role": m.role, "content": m.content} for m in message.chat.messages], "chat.messages")
+    if not ids:
+        raise InvalidRequestError(kind, "must not be empty")
+    return ids
+
+
+async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str) -> list[int]:
+    """Token ids of ``conversation`` rendered with the model's chat template, ready for the assistant's turn.
+
+    Raises:
+        InvalidRequestError: a role is unknown, the model has no template, or the template rejects the chat.
+    """
+    for index, message in enumerate(conversation):
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequestError(f"{field}[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(field.partition(".")[0], "this model has no chat template; send prompt_text or "
+                                                           "prompt_token_ids")
+    try:
+        return await asyncio.to_thread(lambda: list(tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False)))
+    except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
+        raise InvalidRequestError(field.partition(".")[0], f"the chat template rejected the messages: {exc}") from None
 
 
 def decision_message(decision: RoutingDecision) -> router_pb2.RoutingDecision:
