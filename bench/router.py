@@ -109,8 +109,6 @@ def snapshot(num_workers: int, seed: int = 0) -> list[WorkerView]:
         queue += tuple(QueuedWork(False, 20, 128) for _ in range(waiting))
         views.append(WorkerView(
             name=f"{'gpu' if gpu else 'cpu'}-{index}", kind="gpu" if gpu else "cpu", cached_tokens=496,
-            pending_prefill_tokens=sum(w.prefill_tokens for w in queue),
-            pending_decode_tokens=sum(w.decode_tokens for w in queue), num_running=running, num_waiting=waiting,
             max_active_requests=4, prefill_tok_s=2551.0 if gpu else 73.0, decode_tok_s=293.0 if gpu else 45.0,
             step_base_s=0.0029 if gpu else 0.0187, step_per_prefill_token_s=0.00039 if gpu else 0.0137,
             step_per_decode_s=0.0027 if gpu else 0.0176, queue=queue))
