@@ -20,6 +20,7 @@ from tandem.bench.live import (router_workers, run_workload, wait_for_healthy_ba
                                write_run)
 from tandem.bench.results import write_json
 from tandem.bench.workloads import long_context, seed_burst
+from tandem.engine.utils import cdiv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = (4, 8, 48)
@@ -128,7 +129,7 @@ def simulation_report(fixed_share_sensitivity: float) -> dict:
             workload = long_context(48, SIM_VOCAB, context_tokens=context, warmed=warmed)
             gpu_best, _ = tuned(profile, workload, "gpu_only")
             entry = {"context_tokens": context, "warmed": warmed, "gpu_kv_tokens": profile.gpu.num_kv_blocks * 16,
-                     "gpu_requests_that_fit": profile.gpu.num_kv_blocks // -(-(context + 20 + 128) // 16),
+                     "gpu_requests_that_fit": profile.gpu.num_kv_blocks // cdiv(context + 20 + 128, 16),
                      "best_gpu_only": gpu_best}
             for policy in ("cost", "finish_time"):
                 entry[f"best_{policy}"], _ = tuned(profile, workload, policy)

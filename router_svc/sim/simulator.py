@@ -21,6 +21,7 @@ from tandem.bench.workloads import Workload, WorkloadRequest
 from tandem.engine.errors import QueueFullError
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.utils import cdiv
 
 _TOKEN_SPACE = 1 << 20
 
@@ -65,7 +66,7 @@ class SimWorker:
 
     def fits(self, request: WorkloadRequest) -> bool:
         """The engine's admission check: prompt plus budget must fit the KV cache at all."""
-        blocks = -(-(len(request.prompt_token_ids) + request.max_new_tokens) // self.profile.scheduler.block_size)
+        blocks = cdiv(len(request.prompt_token_ids) + request.max_new_tokens, self.profile.scheduler.block_size)
         return blocks <= self.profile.num_kv_blocks
 
     def add(self, request: WorkloadRequest) -> Request:

@@ -258,7 +258,7 @@ class LLMEngine:
                 f"prompt ({request.num_prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) "
                 f"exceeds the context length {self.executor.max_model_len}",
             )
-        if -(-total // self.config.block_size) > self.scheduler.pool.num_blocks:
+        if request.max_num_blocks(self.config.block_size) > self.scheduler.pool.num_blocks:
             raise InvalidRequestError(
                 "max_new_tokens",
                 f"prompt + max_new_tokens ({total} tokens) exceeds the KV cache "

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.engine.errors import InvalidRequestError
+from tandem.engine.utils import cdiv
 
 
 class FinishReason(str, enum.Enum):
@@ -143,6 +144,22 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    def num_required_blocks(self, num_new_tokens: int, block_size: int) -> int:
+        """Blocks that hold the computed tokens plus ``num_new_tokens`` more."""
+        return cdiv(self.num_computed_tokens + num_new_tokens, block_size)
+
+    def num_computed_full_blocks(self, block_size: int) -> int:
+        """Blocks completely filled by computed tokens."""
+        return self.num_computed_tokens // block_size
+
+    def max_num_blocks(self, block_size: int) -> int:
+        """Blocks the request holds at its longest: the prompt plus every token it may generate."""
+        return cdiv(self.num_prompt_tokens + self.max_new_tokens, block_size)
+
+    def block_token_ids(self, index: int, block_size: int) -> list[int]:
+        """The tokens of block ``index``."""
+        return self.token_ids[index * block_size:(index + 1) * block_size]
 
 
 def _is_number(value: object) -> bool:

@@ -8,6 +8,7 @@ import pytest
 
 from tandem.engine.errors import InvalidRequestError
 from tandem.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tandem.engine.utils import cdiv
 
 # --- SamplingParams ------------------------------------------------------------------------------
 
@@ -139,3 +140,32 @@ def test_requests_compare_by_identity():
     b = Request("same", [1], max_new_tokens=1, arrival_time=0.0)
     assert a != b
     assert len({a, b}) == 2
+
+
+# --- block arithmetic ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (2176, 16, 136)])
+def test_cdiv_rounds_up(a, b, expected):
+    assert cdiv(a, b) == expected
+
+
+def test_required_blocks_cover_computed_and_new_tokens():
+    request = Request("r", list(range(5)), max_new_tokens=4)
+    assert [request.num_required_blocks(n, 4) for n in (1, 4, 5)] == [1, 1, 2]
+    request.num_computed_tokens = 4
+    assert request.num_required_blocks(1, 4) == 2
+    assert request.num_computed_full_blocks(4) == 1
+    request.num_computed_tokens = 3
+    assert request.num_computed_full_blocks(4) == 0
+
+
+def test_max_num_blocks_counts_prompt_and_full_output_budget():
+    assert Request("r", list(range(5)), max_new_tokens=3).max_num_blocks(4) == 2
+    assert Request("r", list(range(5)), max_new_tokens=4).max_num_blocks(4) == 3
+
+
+def test_block_token_ids_slice_one_block_including_a_partial_last_one():
+    request = Request("r", list(range(10)), max_new_tokens=1)
+    assert request.block_token_ids(1, 4) == [4, 5, 6, 7]
+    assert request.block_token_ids(2, 4) == [8, 9]

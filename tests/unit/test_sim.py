@@ -14,6 +14,7 @@ from router_svc.sim.profiles import StepTimeModel, seed_m2
 from router_svc.sim.simulator import simulate
 from tandem.bench.workloads import long_context, seed_burst
 from tandem.engine.config import SchedulerConfig
+from tandem.engine.utils import cdiv
 
 
 def test_profile_rates_become_step_times_that_report_the_same_rates():
@@ -59,7 +60,7 @@ def test_the_simulation_is_deterministic():
 
 def test_kv_capacity_caps_concurrency_as_in_the_real_scheduler():
     profile = seed_m2(gpu_kv_bytes=3 * 2200 * 12288)  # room for three 2048 + 128 token requests
-    blocks_per_request = -(-(2048 + 128) // 16)
+    blocks_per_request = cdiv(2048 + 128, 16)
     assert 3 * blocks_per_request <= profile.gpu.num_kv_blocks < 4 * blocks_per_request
     result = simulate(profile.workers(cpu_workers=0, gpu_max_active=16), long_context(12, 32000, context_tokens=2048),
                       "gpu_only")

@@ -12,6 +12,7 @@ from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk,
 from tandem.engine.model.loader import load_tensors
 from tandem.engine.model.sampler import sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class ModelRunner:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def _context_slots(self, block_ids: list[int], length: int) -> torch.Tensor:
-        blocks = torch.tensor(block_ids[: -(-length // self.block_size)], dtype=torch.long)
+        blocks = torch.tensor(block_ids[: cdiv(length, self.block_size)], dtype=torch.long)
         slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).view(-1)
         return slots[:length]
 
