@@ -224,10 +224,10 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (only while no request holds blocks)."""
-        self.scheduler.pool.reset_prefix_cache()
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        return self.scheduler.pool.cached_prefix_len(token_ids)
+        return self.scheduler.kv_cache_manager.cached_prefix_len(token_ids)
 
     def state(self) -> EngineState:
         return EngineState(

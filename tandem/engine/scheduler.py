@@ -7,9 +7,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem.engine.block_pool import BlockPool, KVBlock, extend_block_hashes, max_cache_hit_blocks
+from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.errors import QueueFullError
+from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
 
@@ -110,10 +111,14 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.block_size = config.block_size
-        self.pool = BlockPool(num_kv_blocks, config.block_size, on_evict=self._on_evict)
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, config.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._estimate_dependents: dict[bytes, set[Request]] = {}
+
+    @property
+    def pool(self) -> BlockPool:
+        """The KV cache manager's block pool, for inspection."""
+        return self.kv_cache_manager.block_pool
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -128,7 +133,7 @@ class Scheduler:
             raise QueueFullError(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests); retry later"
             )
-        self._estimate_cache(request)
+        self.kv_cache_manager.estimate_cache(request)
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -140,7 +145,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._allocate(request, num_new):
+            while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -180,7 +185,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = item.start + item.num_new_tokens
-            self._publish_full_blocks(request)
+            self.kv_cache_manager.cache_blocks(request)
             if token is not None:
                 request.token_ids.append(token)
                 updated.append(request)
@@ -194,9 +199,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-            self._forget_estimate(request)
-        self.pool.free(list(reversed(request.block_ids)))
-        request.block_ids = []
+        self.kv_cache_manager.free(request)
         request.status = status
 
     def load(self) -> SchedulerLoad:
@@ -204,38 +207,26 @@ class Scheduler:
         waiting = (
             RequestLoad(r.req_id, False, r.num_tokens - r.num_cached_estimate, r.decode_budget) for r in self.waiting
         )
+        pool = self.pool
         return SchedulerLoad(
             requests=(*running, *waiting),
-            num_kv_blocks=self.pool.num_blocks,
-            num_used_blocks=self.pool.num_used_blocks,
-            num_cached_free_blocks=self.pool.num_cached_free_blocks,
-            prefix_queried_tokens=self.pool.num_queried_tokens,
-            prefix_hit_tokens=self.pool.num_hit_tokens,
+            num_kv_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            prefix_queried_tokens=pool.num_queried_tokens,
+            prefix_hit_tokens=pool.num_hit_tokens,
         )
 
-    def _cached_blocks(self, request: Request) -> list[KVBlock]:
-        """The cached blocks a prefix hit would give ``request`` now (capped so one token is computed)."""
-        limit = max_cache_hit_blocks(request.num_tokens, self.block_size)
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
-        return self.pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)
-
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
-        size = self.block_size
-        hits = self._cached_blocks(request)
-        num_cached = len(hits) * size
+        computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
+        num_cached = len(computed_blocks) * self.block_size
         num_new = min(request.num_tokens - num_cached, budget)
-        num_needed = -(-(num_cached + num_new) // size) - len(hits)
-        if num_needed > self.pool.num_reclaimable(hits):
+        if not self.kv_cache_manager.admit(request, computed_blocks, num_new):
             return None
 
         self.waiting.popleft()
-        self._forget_estimate(request)
-        self.pool.touch(hits)
-        request.block_ids = [block.block_id for block in hits] + self.pool.allocate(num_needed)
-        self.pool.record_lookup(request.num_tokens, num_cached)
         request.num_computed_tokens = num_cached
         request.num_cached_tokens = num_cached
-        request.num_published_blocks = len(hits)
         request.num_prefill_tokens = request.num_tokens
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
@@ -243,60 +234,10 @@ class Scheduler:
         self.running.append(request)
         return ScheduledRequest.of(request, num_new)
 
-    def _allocate(self, request: Request, num_new: int) -> bool:
-        num_needed = -(-(request.num_computed_tokens + num_new) // self.block_size) - len(request.block_ids)
-        if num_needed <= 0:
-            return True
-        block_ids = self.pool.allocate(num_needed)
-        if block_ids is None:
-            return False
-        request.block_ids.extend(block_ids)
-        return True
-
     def _preempt(self, request: Request) -> None:
-        self.pool.free(list(reversed(request.block_ids)))
-        request.block_ids = []
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
-        request.num_published_blocks = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self._estimate_cache(request)
+        self.kv_cache_manager.estimate_cache(request)
         self.waiting.appendleft(request)
-
-    def _publish_full_blocks(self, request: Request) -> None:
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full <= request.num_published_blocks:
-            return
-        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, num_full)
-        size = self.block_size
-        for index in range(request.num_published_blocks, num_full):
-            self.pool.cache_block(
-                request.block_ids[index], request.block_hashes[index], request.token_ids[index * size:(index + 1) * size]
-            )
-        request.num_published_blocks = num_full
-
-    def _estimate_cache(self, request: Request) -> None:
-        hits = self._cached_blocks(request)
-        request.cache_estimate_hashes = [block.block_hash for block in hits]
-        request.num_cached_estimate = len(hits) * self.block_size
-        for block_hash in request.cache_estimate_hashes:
-            self._estimate_dependents.setdefault(block_hash, set()).add(request)
-
-    def _forget_estimate(self, request: Request) -> None:
-        for block_hash in request.cache_estimate_hashes:
-            dependents = self._estimate_dependents.get(block_hash)
-            if dependents is not None:
-                dependents.discard(request)
-                if not dependents:
-                    del self._estimate_dependents[block_hash]
-        request.cache_estimate_hashes = []
-
-    def _on_evict(self, block_hash: bytes) -> None:
-        """A cached block was reused: waiting requests that counted on it lose it and every block after it."""
-        for request in list(self._estimate_dependents.get(block_hash, ())):
-            kept = request.cache_estimate_hashes[:request.cache_estimate_hashes.index(block_hash)]
-            self._forget_estimate(request)
-            request.cache_estimate_hashes = kept
-            request.num_cached_estimate = len(kept) * self.block_size
-            for kept_hash in kept:
-                self._estimate_dependents.setdefault(kept_hash, set()).add(request)
