@@ -100,15 +100,16 @@ class SimWorker:
         """Apply the step that ends now; returns the requests that finished."""
         output, self.step_output = self.step_output, None
         sampled = [_token(item.request) if item.samples else None for item in output.scheduled]
-        finished = []
-        for request in self.scheduler.update_from_output(output, sampled):
-            if request.first_token_time is None:
-                request.first_token_time = self.clock.now
-            if request.num_output_tokens >= self.output_targets[request.req_id]:
-                status = RequestStatus.FINISHED_LENGTH if request.decode_budget == 0 else RequestStatus.FINISHED_EOS
-                self.scheduler.finish(request, status)
-                del self.output_targets[request.req_id]
-                finished.append(request)
+
+        def check_stop(request: Request) -> RequestStatus | None:
+            if request.num_output_tokens < self.output_targets[request.req_id]:
+                return None
+            return RequestStatus.FINISHED_LENGTH if request.decode_budget == 0 else RequestStatus.FINISHED_EOS
+
+        updated = self.scheduler.update_from_output(output, sampled, check_stop)
+        finished = [request for request in updated if request.status.is_finished]
+        for request in finished:
+            del self.output_targets[request.req_id]
         return finished
 
     def warm(self, prefix: tuple[int, ...]) -> None:
@@ -118,8 +119,7 @@ class SimWorker:
         while self.scheduler.has_work():
             output = self.scheduler.schedule()
             sampled = [0 if item.samples else None for item in output.scheduled]
-            for request in self.scheduler.update_from_output(output, sampled):
-                self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+            self.scheduler.update_from_output(output, sampled, lambda request: RequestStatus.FINISHED_LENGTH)
 
 
 def _token(request: Request) -> int:

@@ -43,8 +43,13 @@ class IncrementalDetokenizer:
 
         After a stop string is found, ``stopped`` is True and the text ends just before it.
         """
+        self.push(token_id)
+        return self.release()
+
+    def push(self, token_id: int) -> None:
+        """Add one token without releasing its text; ``release`` returns it later."""
         if self.stopped:
-            return ""
+            return
         self._token_ids.append(token_id)
         prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._token_ids[self._prefix_offset:])
@@ -54,6 +59,9 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._token_ids)
             self._find_stop(search_from)
+
+    def release(self) -> str:
+        """Return the text that became final since the last release (possibly empty)."""
         return self._release(final=self.stopped)
 
     def flush(self) -> str:

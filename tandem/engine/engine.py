@@ -96,19 +96,21 @@ class LLMEngine:
         executor: runs a scheduled step on the model.
         tokenizer: decodes generated tokens to text.
         config: scheduler limits.
+        clock: the time of request events (first scheduled, first token, finished).
     """
 
-    def __init__(self, executor: ModelExecutor, tokenizer: Tokenizer, config: SchedulerConfig):
+    def __init__(self, executor: ModelExecutor, tokenizer: Tokenizer, config: SchedulerConfig,
+                 clock: Callable[[], float] = time.monotonic):
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
-        self.scheduler = Scheduler(config, executor.num_kv_blocks)
+        self.clock = clock
+        self.scheduler = Scheduler(config, executor.num_kv_blocks, clock)
         self.rates = RateTracker(config.max_num_batched_tokens, config.max_active_requests)
         self.seq = 0
         self.dead_reason: str | None = None
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._record_step = self.rates.observe
 
     @property
     def healthy(self) -> bool:
@@ -147,34 +149,36 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def process(self, output: SchedulerOutput, sampled: Sequence[int | None], seconds: float) -> list[RequestOutput]:
-        """Account for an executed step: record its time, append tokens, detokenize, check stops."""
-        self._record_step(StepSample(output.num_prefill_tokens, output.num_decode_requests, seconds))
-        now = time.monotonic()
+    def process(self, output: SchedulerOutput, sampled: Sequence[int | None], seconds: float,
+                record_step: Callable[[StepSample], None] | None = None) -> list[RequestOutput]:
+        """Account for an executed step: record its time, append tokens, detokenize, check stops.
+
+        Args:
+            output: the step's schedule.
+            sampled: what the executor returned for it.
+            seconds: how long the step took.
+            record_step: where the step's time goes; by default the rates' observed steps.
+        """
+        (record_step or self.rates.observe)(StepSample(output.num_prefill_tokens, output.num_decode_requests, seconds))
         outputs = []
-        for request in self.scheduler.update_from_output(output, list(sampled)):
-            token = request.token_ids[-1]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            detokenizer = self._detokenizers[request.req_id]
-            text = detokenizer.add_token(token)
-            status = self._stop_status(request, token, detokenizer.stopped)
-            if status is None:
-                outputs.append(RequestOutput(request.req_id, (token,), text))
+        for request in self.scheduler.update_from_output(output, sampled, self._check_stop):
+            token_ids = (request.token_ids[-1],)
+            text = self._detokenizers[request.req_id].release()
+            if request.status.is_finished:
+                outputs.append(self._final_output(request, token_ids, text))
             else:
-                self.scheduler.finish(request, status)
-                outputs.append(self._final_output(request, (token,), text))
+                outputs.append(RequestOutput(request.req_id, token_ids, text))
         self.seq += 1
         return outputs
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute and process one step (synchronous use)."""
+    def step(self, record_step: Callable[[StepSample], None] | None = None) -> list[RequestOutput]:
+        """Schedule, execute and process one step (synchronous use); ``record_step`` as in ``process``."""
         output = self.schedule()
         if not output.scheduled:
             return []
         start = time.perf_counter()
         sampled = self.executor.execute(output)
-        return self.process(output, sampled, time.perf_counter() - start)
+        return self.process(output, sampled, time.perf_counter() - start, record_step)
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """Mark the engine dead and end every request with an error naming the reason."""
@@ -202,15 +206,12 @@ class LLMEngine:
 
         def measure(prompt_len: int, num_requests: int, step_index: int) -> StepSample:
             samples: list[StepSample] = []
-            self._record_step = samples.append
-            try:
-                for _ in range(num_requests):
-                    prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-                    self.add_request(Request(f"calibration-{next(counter)}", prompt, 2, ignore_eos=True))
-                while self.has_work():
-                    self.step()
-            finally:
-                self._record_step = self.rates.observe
+            for _ in range(num_requests):
+                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+                self.add_request(Request(f"calibration-{next(counter)}", prompt, 2, ignore_eos=True,
+                                         arrival_time=self.clock()))
+            while self.has_work():
+                self.step(record_step=samples.append)
             return samples[step_index]
 
         measure(min(64, budget), 1, 0)  # warm-up: first-call allocations are not a rate
@@ -268,8 +269,12 @@ class LLMEngine:
             if not isinstance(token, int) or not 0 <= token < vocab:
                 raise InvalidRequestError("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab})")
 
-    def _stop_status(self, request: Request, token: int, stop_string_seen: bool) -> RequestStatus | None:
-        if stop_string_seen or token in request.stop_token_ids:
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """Detokenize the request's new token (``process`` releases its text); return the status it ends with."""
+        token = request.token_ids[-1]
+        detokenizer = self._detokenizers[request.req_id]
+        detokenizer.push(token)
+        if detokenizer.stopped or token in request.stop_token_ids:
             return RequestStatus.FINISHED_STOP
         if not request.ignore_eos and token in self.executor.eos_token_ids:
             return RequestStatus.FINISHED_EOS
@@ -280,7 +285,7 @@ class LLMEngine:
     def _final_output(self, request: Request, token_ids: tuple[int, ...], text: str = "") -> RequestOutput:
         del self._requests[request.req_id]
         text += self._detokenizers.pop(request.req_id).flush()
-        now = time.monotonic()
+        now = self.clock()
         stats = RequestStats(
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,

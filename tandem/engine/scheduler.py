@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.engine.block_pool import BlockPool
@@ -104,7 +104,8 @@ class Scheduler:
     request needs a block and none is free, the most recently admitted request is preempted: its
     blocks are released and it is recomputed later (its cached prefix usually survives).
 
-    ``clock`` stamps when a request is first scheduled (the simulator passes its virtual clock).
+    ``clock`` stamps when a request is first scheduled and when it receives its first token (the engine
+    passes its own clock, the simulator its virtual one).
     """
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, clock: Callable[[], float] = time.monotonic):
@@ -169,26 +170,45 @@ class Scheduler:
             budget -= item.num_new_tokens
         return SchedulerOutput(scheduled, preempted)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Account for a finished step and append sampled tokens.
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: Sequence[int | None],
+        check_stop: Callable[[Request], RequestStatus | None] | None = None,
+    ) -> list[Request]:
+        """Apply an executed step: account computed tokens, append sampled ones, finish the requests that stop.
+
+        A request's first sampled token stamps its ``first_token_time`` from the clock. Requests finished
+        while the step ran are skipped.
 
         Args:
             output: the step's schedule.
             sampled: per scheduled request, the sampled token, or None where the step did not sample.
+            check_stop: given a request that just received a token, the status that ends it, or None to
+                keep it running. Without it, no request is finished here.
 
         Returns:
-            The requests that received a token and are still running.
+            The requests that received a token, in schedule order, those that ``check_stop`` ended included.
         """
+        now = self.clock()
+        cache_blocks = self.kv_cache_manager.cache_blocks
         updated = []
         for item, token in zip(output.scheduled, sampled):
             request = item.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens = item.start + item.num_new_tokens
-            self.kv_cache_manager.cache_blocks(request)
+            cache_blocks(request)
             if token is not None:
                 request.token_ids.append(token)
+                if request.first_token_time is None:
+                    request.first_token_time = now
                 updated.append(request)
+        if check_stop is not None:
+            for request in updated:
+                status = check_stop(request)
+                if status is not None:
+                    self.finish(request, status)
         return updated
 
     def finish(self, request: Request, status: RequestStatus) -> None:

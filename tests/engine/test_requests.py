@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.engine.engine import LLMEngine
 from tandem.engine.errors import InvalidRequestError, QueueFullError
 from tandem.engine.request import FinishReason, Request, SamplingParams
 from tests.engine.helpers import (
@@ -167,3 +168,30 @@ def test_calibration_measures_rates_and_leaves_the_cache_clean(tiny_llama):
     engine.add_request(greedy_request("x", random_prompt(engine, 8, seed=9), 4))
     run_to_completion(engine)
     assert engine.rates.rates().num_observed_steps > 0
+
+
+def test_request_times_come_from_the_engines_clock(tiny_llama):
+    built = make_engine(tiny_llama)
+    now = [100.0]
+    engine = LLMEngine(built.executor, built.tokenizer, built.config, clock=lambda: now[0])
+    engine.add_request(greedy_request("t", random_prompt(engine, 8, seed=11), 3, arrival_time=99.0))
+    output = engine.schedule()
+    now[0] = 102.5
+    engine.process(output, engine.executor.execute(output), 0.01)
+    now[0] = 110.0
+    outputs = run_to_completion(engine)["t"]
+    stats = outputs[-1].stats
+    assert (stats.queue_time_s, stats.ttft_s, stats.total_time_s) == (1.0, 3.5, 11.0)
+
+
+def test_a_step_sample_goes_where_the_caller_says(tiny_llama):
+    engine = make_engine(tiny_llama)
+    observed, samples = [], []
+    engine.rates.observe = observed.append
+    engine.add_request(greedy_request("s", random_prompt(engine, 8, seed=12), 2))
+    engine.step(record_step=samples.append)
+    assert [(s.num_prefill_tokens, s.num_decode_requests) for s in samples] == [(8, 0)]
+    assert observed == []
+    engine.step()
+    assert [(s.num_prefill_tokens, s.num_decode_requests) for s in observed] == [(0, 1)]
+    assert len(samples) == 1

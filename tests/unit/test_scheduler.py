@@ -371,6 +371,31 @@ def test_update_skips_a_request_finished_during_the_step():
     assert scheduler.pool.num_used_blocks == len(b.block_ids)
 
 
+def test_update_finishes_what_check_stop_ends_and_stamps_first_tokens_from_the_clock():
+    now = [10.0]
+    scheduler = Scheduler(SchedulerConfig(block_size=BLOCK), 64, clock=lambda: now[0])
+    a = make_request("a", range(5))
+    b = make_request("b", range(10, 15))
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    output = scheduler.schedule()
+    now[0] = 12.5
+    updated = scheduler.update_from_output(
+        output, [7, 8], lambda request: RequestStatus.FINISHED_STOP if request is a else None
+    )
+    assert updated == [a, b]
+    assert a.status is RequestStatus.FINISHED_STOP and a.block_ids == []
+    assert b.status is RequestStatus.RUNNING
+    assert a.first_scheduled_time == b.first_scheduled_time == 10.0
+    assert a.first_token_time == b.first_token_time == 12.5
+    assert list(scheduler.running) == [b]
+
+    now[0] = 20.0
+    output = scheduler.schedule()
+    assert scheduler.update_from_output(output, [9], lambda request: None) == [b]
+    assert b.first_token_time == 12.5
+
+
 # --- load ----------------------------------------------------------------------------------------
 
 
