@@ -26,7 +26,7 @@ import torch
 
 from tandem.bench.results import percentile
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.engine import AsyncEngine
+from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.loader import resolve_model
 from tandem.engine.request import Request, SamplingParams

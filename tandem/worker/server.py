@@ -10,7 +10,8 @@ from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
-from tandem.engine.engine import AsyncEngine, LLMEngine
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.engine import LLMEngine
 from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
 from tandem.v1 import worker_pb2, worker_pb2_grpc

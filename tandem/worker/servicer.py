@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from tandem.engine.engine import AsyncEngine, EngineState, RequestOutput
+from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.engine import EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.engine import AsyncEngine
 from tandem.engine.errors import EngineDeadError
 from tandem.engine.request import FinishReason
 from tests.engine.helpers import assert_no_leaks, greedy_request, hf_greedy, make_engine, random_prompt

@@ -1,0 +1,196 @@
+"""The asyncio front of the engine.
+
+``AsyncEngine`` runs an ``LLMEngine`` on a background thread (the model step releases the GIL) and gives
+every request an async iterator of outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+from tandem.engine.engine import EngineState, LLMEngine, RequestOutput
+from tandem.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on a background thread and streams each request's outputs.
+
+    Every public method is safe to call from the event loop; each takes the engine lock only for
+    bookkeeping, never across a model step.
+    """
+
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None):
+        """Args:
+            engine: the engine to run.
+            on_failure: called once, from the engine thread, with the reason when a model step fails.
+        """
+        self.engine = engine
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
+        self._watchers: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._executing = False  # a scheduled step is running on the model, outside the lock
+        self._deferred_aborts: list[str] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop thread; requests still in flight end as aborted."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+        with self._lock:
+            outputs = [self.engine.abort(req_id) for req_id in list(self._streams)]
+        self._deliver([out for out in outputs if out is not None])
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.healthy and self._thread.is_alive()
+
+    async def generate(self, request: Request,
+                       on_queued: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue ``request`` and yield its outputs until the last one.
+
+        ``on_queued``, if given, is awaited once the request is queued, before its first output; if it
+        raises or is cancelled, the request is aborted and the exception propagates.
+        Closing or abandoning the iterator (or cancelling its task) aborts the request; its blocks are
+        freed at once, or when the step in flight ends if that step computes it. Validation errors are raised before the first output.
+        """
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        with self._wakeup:
+            self.engine.add_request(request)
+            self._streams[request.req_id] = (asyncio.get_running_loop(), queue)
+            self._wakeup.notify()
+            self._notify_watchers()
+        finished = False
+        try:
+            if on_queued is not None:
+                await on_queued()
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request.req_id)
+
+    def abort(self, req_id: str) -> None:
+        with self._lock:
+            self._streams.pop(req_id, None)
+            if self._executing:
+                # The step being executed reads this request's blocks; release them once it ends.
+                self._deferred_aborts.append(req_id)
+            elif self.engine.abort(req_id) is not None:
+                self._notify_watchers()
+
+    async def wait_for_change(self, seq: int, timeout: float) -> None:
+        """Return once the state's sequence number differs from ``seq``, or after ``timeout`` seconds."""
+        entry = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            if self.engine.seq != seq:
+                return
+            self._watchers.add(entry)
+        try:
+            await asyncio.wait_for(entry[1].wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._watchers.discard(entry)
+
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        with self._lock:
+            return self.engine.cached_prefix_len(token_ids)
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.engine.reset_prefix_cache()
+
+    def state(self) -> EngineState:
+        with self._lock:
+            state = self.engine.state()
+        if state.healthy and not self._thread.is_alive() and self._thread.ident is not None:
+            return dataclasses.replace(state, healthy=False)
+        return state
+
+    def _run(self) -> None:
+        # Model steps are batch work: on a shared host, the service's own I/O, a router and its
+        # clients wake up ahead of them, so probes and tokens do not wait behind a step.
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except (AttributeError, OSError) as exc:  # not Linux, or a sandbox that forbids it
+            logger.info("the engine thread keeps its scheduling class: %r", exc)
+        while True:
+            with self._wakeup:
+                while not self.engine.has_work() and not self._stopping:
+                    self._wakeup.wait()
+                if self._stopping:
+                    return
+                output = self.engine.schedule()
+                self._executing = bool(output.scheduled)
+            if not output.scheduled:
+                time.sleep(0.001)
+                continue
+            start = time.perf_counter()
+            try:
+                sampled = self.engine.executor.execute(output)
+            except Exception as exc:  # any failure of the model step ends every request with it
+                logger.exception("model step failed; the engine stops")
+                reason = f"model step failed: {type(exc).__name__}: {exc}"
+                with self._lock:
+                    self._end_step()
+                    outputs = self.engine.fail_all(reason)
+                self._deliver(outputs)
+                if self._on_failure is not None:
+                    self._on_failure(reason)
+                return
+            with self._lock:
+                outputs = self.engine.process(output, sampled, time.perf_counter() - start)
+                self._end_step()
+            self._deliver(outputs)
+
+    def _end_step(self) -> None:
+        """Apply the aborts that arrived while the step ran. Call with the lock held."""
+        self._executing = False
+        for req_id in self._deferred_aborts:
+            self.engine.abort(req_id)
+        self._deferred_aborts.clear()
+
+    def _notify_watchers(self) -> None:
+        """Wake every ``wait_for_change`` caller. Call with the lock held."""
+        for loop, event in self._watchers:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # that watcher's event loop is closed
+                pass
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            self._notify_watchers()
+            targets = []
+            for output in outputs:
+                stream = self._streams.get(output.req_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del self._streams[output.req_id]
+                targets.append((stream, output))
+        for (loop, queue), output in targets:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+            except RuntimeError:  # the consumer's event loop is closed; nobody is listening
+                pass
