@@ -16,7 +16,7 @@ from tandem.engine.engine import EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request
-from tandem.protocol import WORKER_KINDS, sampling_params
+from tandem.protocol import WORKER_KINDS, prompt_token_ids, sampling_params
 from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import metrics
@@ -187,17 +187,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_id = message.request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
-        prompt_kind = message.WhichOneof("prompt")
-        if prompt_kind is None:
-            raise InvalidRequestError("prompt", "set prompt_token_ids or prompt_text")
-        if prompt_kind == "prompt_text":
-            if not message.prompt_text:
-                raise InvalidRequestError("prompt_text", "must not be empty")
-            prompt = await asyncio.to_thread(lambda: list(self.tokenizer(message.prompt_text)["input_ids"]))
-        else:
-            prompt = list(message.prompt_token_ids.ids)
-            if not prompt:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        prompt = await prompt_token_ids(message, self.tokenizer)
         if len(message.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings")
         for stop in message.stop:
