@@ -4,8 +4,9 @@ Importing any of transformers' tokenizer classes imports torch (transformers 5.1
 reader, which imports torch, when the tokenizers backend is imported), and torch costs a process
 hundreds of MiB. The router only turns prompts and chats into token ids, so it uses
 ``PromptTokenizer``: the ``tokenizers`` library on the model's ``tokenizer.json``, and chat
-templates rendered by transformers' own renderer (``render_jinja_template``, which imports no torch),
-as the routers of TGI and SGLang do with the same files.
+templates rendered by transformers' own renderer (``render_jinja_template``, which imports no torch).
+The Rust routers of TGI and SGLang likewise read ``tokenizer.json`` with the tokenizers library and
+render the chat template with a Jinja engine of their own.
 """
 
 from __future__ import annotations
