@@ -6,8 +6,10 @@
    decision alone (Explain) and of one Estimate sent straight to the worker.
 2. Decision time of every policy over simulated snapshots of 2, 8 and 64 workers.
 3. Footprint: a router's time from process start to SERVING, and its peak and current RSS after 50 routed
-   requests (``--only footprint`` runs just this; ``--compare-checkout TREE`` measures another source tree's
-   router against the same workers, alternating runs).
+   requests (``--only footprint`` runs just this).
+
+``--compare-checkout TREE`` also measures the router of another source tree (an older commit, say) over the
+same workers: its requests join the same interleaved rotation, and its footprint runs alternate with this one's.
 
 Writes bench/results/router.json.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -24,6 +27,8 @@ from pathlib import Path
 from router_svc.policy import POLICIES, QueuedWork, RouteInput, WorkerView
 from tandem.bench.live import wait_for_healthy_backends
 from tandem.bench.results import percentile, write_json
+from tandem.engine.model.loader import resolve_model
+from tandem.stack import start_stack
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,53 +52,63 @@ def _timed_call(call) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def measure_overhead(count: int, max_new_tokens: int) -> dict:
-    from tandem.engine.model.loader import resolve_model
-    from tandem.stack import start_stack
+def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Path, ...] = ()) -> dict:
+    """TTFT and TPOT directly to gpu_worker and through the router, interleaved; with ``checkouts``, also
+    through the router of each of those source trees, over the same workers, in the same rotation."""
     from tandem.v1 import router_pb2_grpc, worker_pb2_grpc
 
-    stack = start_stack(str(resolve_model(None)), RESULTS / "router-logs")
-    try:
-        stack.wait_for_health()
-        router = router_pb2_grpc.RouterStub(stack.router.channel)
+    with contextlib.ExitStack() as routers:
+        stubs = {"routed": router_pb2_grpc.RouterStub(stack.router.channel)}
+        for index, tree in enumerate(checkouts):
+            log_path = RESULTS / "router-logs" / f"router-compared-{index}.log"
+            _, channel, _ = routers.enter_context(_router_from(tree, stack.router.args, log_path))
+            stubs[str(tree)] = router_pb2_grpc.RouterStub(channel)
         worker = worker_pb2_grpc.WorkerStub(stack.gpu.channel)
-        asyncio.run(wait_for_healthy_backends(stack.router.address))
         rng = random.Random(0)
         prompt = [rng.randrange(10, 40000) for _ in range(64)]
         sampling = common_pb2.SamplingParams(temperature=0.0)
         ids = worker_pb2.TokenIds(ids=prompt)
         direct_request = worker_pb2.GenerateRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens,
                                                     sampling=sampling, ignore_eos=True)
-        routed_request = router_pb2.RouteRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                                 ignore_eos=True, policy="gpu_only")
-        for _ in range(3):  # warm both paths and the prefix cache
-            _timed_stream(worker.Generate(direct_request, timeout=60))
-            _timed_stream(router.Generate(routed_request, timeout=60))
+        routed_request = router_pb2.RouteRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens,
+                                                 sampling=sampling, ignore_eos=True, policy="gpu_only")
+        calls = {"direct": lambda: worker.Generate(direct_request, timeout=60)}
+        calls.update({name: (lambda stub=stub: stub.Generate(routed_request, timeout=60)) for name, stub in stubs.items()})
+        for _ in range(3):  # warm every path and the prefix cache
+            for call in calls.values():
+                _timed_stream(call())
         explain = router_pb2.ExplainRequest(request=routed_request)
         estimate = worker_pb2.EstimateRequest(prompt_token_ids=prompt)
-        round_trips = {"explain": [_timed_call(lambda: router.Explain(explain, timeout=10)) for _ in range(count)],
-                       "worker_estimate": [_timed_call(lambda: worker.Estimate(estimate, timeout=10)) for _ in range(count)]}
-        direct, routed = [], []
+        round_trips = {"worker_estimate": [_timed_call(lambda: worker.Estimate(estimate, timeout=10))
+                                           for _ in range(count)]}
+        for name, stub in stubs.items():
+            round_trips[name] = [_timed_call(lambda: stub.Explain(explain, timeout=10)) for _ in range(count)]
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+        order = list(calls)
         for index in range(count):
-            pair = [(direct, lambda: worker.Generate(direct_request, timeout=60)),
-                    (routed, lambda: router.Generate(routed_request, timeout=60))]
-            for samples, call in pair if index % 2 == 0 else reversed(pair):
-                samples.append(_timed_stream(call()))
-    finally:
-        stack.stop()
+            for name in order[index % len(order):] + order[:index % len(order)]:
+                samples[name].append(_timed_stream(calls[name]()))
 
-    def stats(samples: list[tuple[float, float]], position: int) -> dict:
-        values = [s[position] * 1000 for s in samples]
+    def stats(name: str, position: int) -> dict:
+        values = [s[position] * 1000 for s in samples[name]]
         return {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
 
+    def compared_to_direct(name: str) -> dict:
+        result = {"round_trip": {"explain": {"p50_ms": percentile(round_trips[name], 50),
+                                             "p99_ms": percentile(round_trips[name], 99)}}}
+        for metric, position in (("ttft", 0), ("tpot", 1)):
+            direct_stats, routed_stats = stats("direct", position), stats(name, position)
+            result[metric] = {"direct": direct_stats, "routed": routed_stats,
+                              "added_p50_ms": routed_stats["p50_ms"] - direct_stats["p50_ms"],
+                              "added_p99_ms": routed_stats["p99_ms"] - direct_stats["p99_ms"]}
+        return result
+
     result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens,
-              "round_trip": {name: {"p50_ms": percentile(samples, 50), "p99_ms": percentile(samples, 99)}
-                             for name, samples in round_trips.items()}}
-    for name, position in (("ttft", 0), ("tpot", 1)):
-        direct_stats, routed_stats = stats(direct, position), stats(routed, position)
-        result[name] = {"direct": direct_stats, "routed": routed_stats,
-                        "added_p50_ms": routed_stats["p50_ms"] - direct_stats["p50_ms"],
-                        "added_p99_ms": routed_stats["p99_ms"] - direct_stats["p99_ms"]}
+              **compared_to_direct("routed")}
+    result["round_trip"]["worker_estimate"] = {"p50_ms": percentile(round_trips["worker_estimate"], 50),
+                                               "p99_ms": percentile(round_trips["worker_estimate"], 99)}
+    if checkouts:
+        result["compared"] = {str(tree): compared_to_direct(str(tree)) for tree in checkouts}
     return result
 
 
@@ -131,29 +146,20 @@ def measure_decisions(repeats: int) -> dict:
     return result
 
 
-def measure_footprint(requests: int, runs: int = 1, checkouts: tuple[Path, ...] = ()) -> dict:
+def measure_footprint(stack, requests: int, runs: int = 1, checkouts: tuple[Path, ...] = ()) -> dict:
     """The router's start-up time and memory: seconds from process start to health SERVING, then peak
     and current RSS after ``requests`` routed requests (half chats, half plain text, so the tokenizer works).
 
-    Once a stack is up, a second router with the stack router's command line, on a free port and over
-    the same workers, is started and stopped ``runs`` times. ``checkouts`` are other source trees whose
+    A second router with the stack router's command line, on a free port and over the stack's workers,
+    is started and stopped ``runs`` times. ``checkouts`` are other source trees whose
     router is measured the same way (run with PYTHONPATH set to the tree), alternating with this one's.
     """
-    from tandem.engine.model.loader import resolve_model
-    from tandem.stack import start_stack
-
     trees = [ROOT, *checkouts]
     samples: dict[Path, list[dict]] = {tree: [] for tree in trees}
-    stack = start_stack(str(resolve_model(None)), RESULTS / "router-logs")
-    try:
-        stack.wait_for_health()
-        asyncio.run(wait_for_healthy_backends(stack.router.address))
-        for run in range(runs):
-            for index, tree in enumerate(trees):
-                log_path = RESULTS / "router-logs" / f"router-footprint-{run}-{index}.log"
-                samples[tree].append(_router_footprint(stack.router.args, tree, requests, log_path))
-    finally:
-        stack.stop()
+    for run in range(runs):
+        for index, tree in enumerate(trees):
+            log_path = RESULTS / "router-logs" / f"router-footprint-{run}-{index}.log"
+            samples[tree].append(_router_footprint(stack.router.args, tree, requests, log_path))
 
     def summary(measured: list[dict]) -> dict:
         medians = {key: percentile([m[key] for m in measured], 50)
@@ -166,17 +172,18 @@ def measure_footprint(requests: int, runs: int = 1, checkouts: tuple[Path, ...] 
     return result
 
 
-def _router_footprint(router_args: list[str], tree: Path, requests: int, log_path: Path) -> dict:
-    """Start ``python -m router_svc`` from ``tree``, time it to SERVING, route ``requests``, read its memory."""
+@contextlib.contextmanager
+def _router_from(tree: Path, router_args: list[str], log_path: Path):
+    """A router started as ``python -m router_svc`` from source tree ``tree``, over the same workers;
+    yields the process, a channel to it and the seconds from its start to health SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from tandem.launch import SERVING, ServiceProcess
-    from tandem.v1 import router_pb2_grpc
 
     # -P: the working directory does not shadow PYTHONPATH, so the router runs from ``tree``.
     start = time.perf_counter()
-    router = ServiceProcess("router-footprint", None, router_args, log_path,
+    router = ServiceProcess("router-" + tree.name, None, router_args, log_path,
                             command=[sys.executable, "-P", "-m", "router_svc"], env={"PYTHONPATH": str(tree)})
     # Reconnect within 50 ms (not gRPC's default backoff of 1 s and more), so SERVING is seen when it happens.
     channel = grpc.insecure_channel(router.address, options=[
@@ -195,7 +202,17 @@ def _router_footprint(router_args: list[str], tree: Path, requests: int, log_pat
             if time.perf_counter() - start > 300:
                 raise TimeoutError(f"the router was not SERVING within 300 s; log:\n{router.log()}")
             time.sleep(0.01)
-        time_to_serving_s = time.perf_counter() - start
+        yield router, channel, time.perf_counter() - start
+    finally:
+        channel.close()
+        router.terminate()
+
+
+def _router_footprint(router_args: list[str], tree: Path, requests: int, log_path: Path) -> dict:
+    """Start the router of ``tree``, time it to SERVING, route ``requests``, read its memory."""
+    from tandem.v1 import router_pb2_grpc
+
+    with _router_from(tree, router_args, log_path) as (router, channel, time_to_serving_s):
         stub = router_pb2_grpc.RouterStub(channel)
         sampling = common_pb2.SamplingParams(temperature=0.0)
         for index in range(requests):
@@ -208,9 +225,6 @@ def _router_footprint(router_args: list[str], tree: Path, requests: int, log_pat
         proc = Path(f"/proc/{router.process.pid}")
         status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
         imports_torch = "libtorch" in (proc / "maps").read_text()
-    finally:
-        channel.close()
-        router.terminate()
     kib = {key: int(status[key].split()[0]) for key in ("VmHWM", "VmRSS")}
     return {"time_to_serving_s": time_to_serving_s, "peak_rss_mib": kib["VmHWM"] / 1024, "rss_mib": kib["VmRSS"] / 1024,
             "imports_torch": imports_torch}
@@ -226,25 +240,32 @@ def main() -> int:
     parser.add_argument("--footprint-requests", type=int, default=50, help="routed requests before RSS is read")
     parser.add_argument("--footprint-runs", type=int, default=1, help="router starts measured (medians reported)")
     parser.add_argument("--compare-checkout", type=Path, action="append", default=[], metavar="TREE",
-                        help="also measure the router of this source tree, alternating with this one (repeatable)")
+                        help="also measure the router of this source tree over the same workers (repeatable)")
     args = parser.parse_args()
+    checkouts = tuple(path.resolve() for path in args.compare_checkout)
     report = {}
     if args.only is None:
         report["decision_time"] = measure_decisions(args.decision_repeats)
-        report["overhead"] = measure_overhead(args.requests, args.max_new_tokens)
-    report["router_footprint"] = measure_footprint(args.footprint_requests, args.footprint_runs,
-                                                   tuple(path.resolve() for path in args.compare_checkout))
+    stack = start_stack(str(resolve_model(None)), RESULTS / "router-logs")
+    try:
+        stack.wait_for_health()
+        asyncio.run(wait_for_healthy_backends(stack.router.address))
+        if args.only is None:
+            report["overhead"] = measure_overhead(stack, args.requests, args.max_new_tokens, checkouts)
+        report["router_footprint"] = measure_footprint(stack, args.footprint_requests, args.footprint_runs, checkouts)
+    finally:
+        stack.stop()
     output = RESULTS / ("router-footprint.json" if args.only else "router.json")
     write_json(output, report)
     if args.only is None:
         overhead = report["overhead"]
-        print(f"TTFT direct p50 {overhead['ttft']['direct']['p50_ms']:.2f} ms, routed p50 "
-              f"{overhead['ttft']['routed']['p50_ms']:.2f} ms: added p50 {overhead['ttft']['added_p50_ms']:.2f} ms, "
-              f"p99 {overhead['ttft']['added_p99_ms']:.2f} ms")
-        print(f"Explain (probes + decision) p50 {overhead['round_trip']['explain']['p50_ms']:.2f} ms; one Estimate "
-              f"straight to the worker p50 {overhead['round_trip']['worker_estimate']['p50_ms']:.2f} ms")
-        print(f"TPOT added p50 {overhead['tpot']['added_p50_ms']:.3f} ms, "
-              f"p99 {overhead['tpot']['added_p99_ms']:.3f} ms")
+        for tree, measured in [(str(ROOT), overhead), *overhead.get("compared", {}).items()]:
+            print(f"router ({tree}): TTFT direct p50 {measured['ttft']['direct']['p50_ms']:.2f} ms, routed p50 "
+                  f"{measured['ttft']['routed']['p50_ms']:.2f} ms: added p50 {measured['ttft']['added_p50_ms']:.2f} ms, "
+                  f"p99 {measured['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
+                  f"{measured['tpot']['added_p50_ms']:.3f} ms; Explain (probes + decision) p50 "
+                  f"{measured['round_trip']['explain']['p50_ms']:.2f} ms")
+        print(f"one Estimate straight to the worker p50 {overhead['round_trip']['worker_estimate']['p50_ms']:.2f} ms")
         sizes = ("2 workers", "8 workers", "64 workers")
         print(f"{'policy':<14}" + "".join(f"{n:>12}" for n in sizes) + "   (p50 µs)")
         for name, by_size in report["decision_time"].items():
