@@ -7,7 +7,7 @@ table are all made from it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 
 def _part(column: str = "", number_format: str = "", default=0):
@@ -38,6 +38,7 @@ class WorkerScore:
     state_source: str = _part("source", "", default="")
 
 
+_FIELDS = tuple(f.name for f in fields(WorkerScore))
 SCORE_PARTS = tuple(f.name for f in fields(WorkerScore) if "column" in f.metadata)
 _COLUMNS = tuple((f.name, f.metadata["column"], f.metadata["format"]) for f in fields(WorkerScore)
                  if f.metadata.get("column"))
@@ -64,7 +65,8 @@ class RoutingDecision:
         return {
             "event": "route", "request_id": request_id, "policy": self.policy, "chosen": self.chosen_worker,
             "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
-            "failed_workers": list(self.failed_workers), "scores": [asdict(s) for s in self.scores],
+            "failed_workers": list(self.failed_workers),
+            "scores": [{name: getattr(s, name) for name in _FIELDS} for s in self.scores],
         }
 
     def span_attributes(self) -> dict:
