@@ -6,10 +6,12 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 
 from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry
 from router_svc.config import RouterConfig, parse_config
+from router_svc.http.app import OpenAIFrontEnd, ServedModel, http_server
 from router_svc.router import Router
 from router_svc.servicer import RouterServicer
 from tandem.security import BearerTokenAuth
@@ -21,11 +23,12 @@ logger = logging.getLogger("router_svc")
 
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 HEALTH_POLL_S = 0.25
+GRACE_S = 5.0
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives. Health is SERVING while any worker is healthy."""
-    from tandem.engine.model.loader import model_fingerprint, resolve_model
+    from tandem.engine.model.loader import model_fingerprint, model_name, resolve_model
     from tandem.engine.model.tokenizer import load_prompt_tokenizer as load_tokenizer
 
     loop = asyncio.get_running_loop()
@@ -47,6 +50,17 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     serve_metrics(config.host, config.metrics_port)
     registry.start()
     await service.server.start()
+    http = None
+    if config.http_port:
+        front_end = OpenAIFrontEnd(router, tokenizer, ServedModel(model_name(config.model), config.served_model_names,
+                                                                  int(time.time())),
+                                   config.policy, BearerTokenAuth(config.auth_tokens) if config.auth_tokens else None)
+        http = http_server(front_end, config.host, config.http_port, config.tls, GRACE_S)
+        http_task = asyncio.create_task(http.serve(), name="http")
+        while not http.started:  # a port it cannot bind ends the process, as uvicorn does
+            await asyncio.sleep(0.01)
+        logger.info("OpenAI-compatible HTTP API on %s://%s:%d/v1 (model %s)", "https" if config.tls else "http",
+                    config.host, config.http_port, ", ".join(front_end.model.names))
     logger.info("router listening on %s (%s%s), policy %s, model fingerprint %s, workers (%s): %s", service.address,
                 "TLS" if config.tls else "plaintext", ", bearer tokens" if config.auth_tokens else "", config.policy,
                 fingerprint[:12], "TLS" if config.worker_tls else "plaintext",
@@ -63,9 +77,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
         except TimeoutError:
             pass
 
-    logger.info("stopping: in-flight streams get 5 s to finish")
+    logger.info("stopping: in-flight streams get %g s to finish", GRACE_S)
     await service.health.enter_graceful_shutdown()
-    await service.server.stop(grace=5.0)
+    if http is not None:
+        http.should_exit = True
+    await asyncio.gather(service.server.stop(grace=GRACE_S), *([http_task] if http is not None else []))
     await registry.stop()
     return 0
 

@@ -17,7 +17,8 @@ from router_svc.probes import ProbeStream
 from router_svc.routing import Credit, Status, WorkerCallFailed, WorkerReport, build_view
 from tandem.security import ClientTLS, aio_channel
 from tandem.telemetry import child_span, mark_failed, outgoing_metadata, tracer
-from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.protocol import WORKER_KINDS
+from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.router")
@@ -86,6 +87,17 @@ class Backend:
         if self.connected and self.state is not None:
             return common_pb2.ServingState.Name(self.state.serving_state).removeprefix("SERVING_STATE_").lower()
         return self.status
+
+    def message(self) -> router_pb2.Backend:
+        """This worker as ListBackends reports it."""
+        info = self.info
+        return router_pb2.Backend(
+            name=self.name, address=self.address.address, kind=WORKER_KINDS[self.kind],
+            device=self.state.device if self.state is not None else (info.device if info else ""),
+            healthy=self.healthy, status=self.describe(), state=self.state,
+            model_fingerprint=info.model_fingerprint if info else "", routed_requests=self.routed_requests,
+            inflight_requests=len(self.credits), failed_requests=self.failed_requests,
+        )
 
     def dispatch(self, request_id: str, prefill_tokens: int, decode_tokens: int) -> None:
         self.credits[request_id] = Credit(request_id, prefill_tokens, decode_tokens)
@@ -265,3 +277,11 @@ class BackendRegistry:
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.healthy]
 
+    def model_limits(self) -> tuple[int, int] | None:
+        """(tokens a request may span, vocabulary size) of the served model, as its workers report them: the
+        context length, or less where no worker's KV cache holds that many; None before any worker reported."""
+        infos = [b.info for b in self.backends.values() if b.info is not None and self.fingerprint_matches(b)]
+        if not infos:
+            return None
+        largest_cache = max(info.kv_blocks_total * info.block_size for info in infos)
+        return min(min(info.context_length for info in infos), largest_cache), min(info.vocab_size for info in infos)

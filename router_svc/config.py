@@ -17,6 +17,7 @@ from tandem.options import EnvArgumentParser, non_negative_int, port_number, pos
 from tandem.security import ClientTLS, ServerTLS, add_server_tls_arguments, client_tls, server_tls
 
 WORKERS_ENV = "TANDEM_WORKERS"
+SERVED_NAMES_ENV = "TANDEM_SERVED_MODEL_NAME"
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -34,6 +35,8 @@ class RouterConfig:
     max_queued: int = 512
     queue_timeout_s: float = 30.0
     max_message_bytes: int = 4 << 20
+    http_port: int = 8000
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -54,6 +57,12 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                             type=positive_float, help="deadline of the Estimate probe sent to every worker per request")
     parser.add_env_argument("--model", "TANDEM_MODEL", defaults.get("model"),
                             help="the model the workers serve, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    parser.add_env_argument("--http-port", "TANDEM_HTTP_PORT", defaults.get("http_port", 8000), type=port_number,
+                            help="serve the OpenAI-compatible HTTP API on this port (0: off)")
+    parser.add_argument("--served-model-name", action="append",
+                        help="a name requests may give the model by over HTTP, besides its own; repeatable "
+                             f"[env {SERVED_NAMES_ENV}, comma-separated]")
+    parser.env_vars[SERVED_NAMES_ENV] = "served_model_name"
     parser.add_env_argument("--metrics-port", "TANDEM_METRICS_PORT", defaults.get("metrics_port", 0), type=port_number,
                             help="serve Prometheus metrics on this port (0: off)")
     parser.add_argument("--worker", action="append",
@@ -101,6 +110,9 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             max_queued=args.max_queued,
             queue_timeout_s=args.queue_timeout_s,
             max_message_bytes=args.max_message_bytes,
+            http_port=args.http_port,
+            served_model_names=tuple(args.served_model_name or _split(os.environ.get(SERVED_NAMES_ENV, ""))
+                                     or file_defaults.get("served_model_names", [])),
             tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
             auth_tokens=read_tokens(args.auth_token_file) if args.auth_token_file else (),
             worker_tls=client_tls(args.worker_ca, args.worker_cert, args.worker_key),

@@ -19,9 +19,13 @@ WORKER_SCORE = Histogram(
 RPCS = Counter("tandem_router_rpcs_total", "RPCs by method and final gRPC status code (errors included)",
                ["method", "code"])
 TTFT = Histogram("tandem_router_time_to_first_token_seconds", "Time from the request to its first token, through the router",
-                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40))
+                 ["frontend"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40))
 E2E = Histogram("tandem_router_request_duration_seconds", "Time from the request to its last token, through the router",
-                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
+                ["frontend"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160))
+
+
+HTTP_REQUESTS = Counter("tandem_router_http_requests_total", "HTTP requests by route and final HTTP status",
+                        ["route", "status"])
 
 
 def rpc_status_recorder(method: str):

@@ -10,16 +10,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from opentelemetry.trace import Status as SpanStatus
-from opentelemetry.trace import StatusCode as SpanStatusCode
-
 from router_svc import metrics
 from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry, probe_all
 from router_svc.policy import RouteInput
 from router_svc.routing import Failover, RoutingError, WorkerCallFailed, WorkerStatus, route
 from tandem.decision import RoutingDecision
-from tandem.telemetry import child_span, mark_failed, tracer
+from tandem.telemetry import child_span, mark_failed, mark_failed_status, tracer
 from tandem.v1 import common_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -32,7 +29,7 @@ class RoutedRequest:
     """A validated, tokenized request, ready to route.
 
     ``worker_request`` is the message the chosen worker receives; ``deadline`` is a ``time.monotonic()``
-    instant, or None for none.
+    instant, or None for none; ``frontend`` labels the request's metrics.
     """
 
     request_id: str
@@ -41,6 +38,7 @@ class RoutedRequest:
     policy: str
     worker_request: worker_pb2.GenerateRequest
     deadline: float | None = None
+    frontend: str = "grpc"
 
     @property
     def prompt_tokens(self) -> int:
@@ -91,11 +89,11 @@ class Router:
                         metrics.record_decision(decision)
                     async for response in call:
                         if response.token_ids and not streamed:
-                            metrics.TTFT.observe(time.monotonic() - started)
+                            metrics.TTFT.labels(request.frontend).observe(time.monotonic() - started)
                         streamed += len(response.token_ids)
                         if response.HasField("result"):
                             _record_result(span, response.result)
-                            metrics.E2E.observe(time.monotonic() - started)
+                            metrics.E2E.labels(request.frontend).observe(time.monotonic() - started)
                         yield WorkerOutput(backend.name, response)
                     return
                 except WorkerCallFailed as failure:
@@ -130,7 +128,7 @@ class Router:
             decision = route(request.policy, RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence),
                              views, self._workers(), failover)
         except RoutingError as exc:
-            route_span.set_status(SpanStatus(SpanStatusCode.ERROR, f"{exc.status.name}: {exc}"))
+            mark_failed_status(route_span, exc.status.name, str(exc))
             raise
         except BaseException as exc:
             mark_failed(route_span, exc)

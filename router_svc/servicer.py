@@ -8,13 +8,12 @@ import uuid
 import grpc
 
 from router_svc import metrics
-from router_svc.backends import Backend
 from router_svc.policy import POLICIES
 from router_svc.router import RoutedRequest, Router
 from router_svc.routing import RoutingError
 from tandem.decision import RoutingDecision
 from tandem.engine.errors import InvalidRequestError
-from tandem.protocol import WORKER_KINDS, decision_message, prompt_token_ids, sampling_params
+from tandem.protocol import decision_message, prompt_token_ids, sampling_params
 from tandem.telemetry import server_span, tracer
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -60,7 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListBackends(self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext):
         return router_pb2.ListBackendsResponse(
-            backends=[_backend_message(b) for b in self.router.registry.backends.values()])
+            backends=[b.message() for b in self.router.registry.backends.values()])
 
     async def _prepare(self, message: router_pb2.RouteRequest, context) -> RoutedRequest:
         try:
@@ -91,14 +90,3 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RoutingError | InvalidR
     if isinstance(exc, InvalidRequestError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     await context.abort(grpc.StatusCode[exc.status.name], str(exc))
-
-
-def _backend_message(backend: Backend) -> router_pb2.Backend:
-    info = backend.info
-    return router_pb2.Backend(
-        name=backend.name, address=backend.address.address, kind=WORKER_KINDS[backend.kind],
-        device=backend.state.device if backend.state is not None else (info.device if info else ""),
-        healthy=backend.healthy, status=backend.describe(), state=backend.state,
-        model_fingerprint=info.model_fingerprint if info else "", routed_requests=backend.routed_requests,
-        inflight_requests=len(backend.credits), failed_requests=backend.failed_requests,
-    )

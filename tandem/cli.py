@@ -45,6 +45,7 @@ def _run(argv: list[str]) -> int:
     up.add_argument("--router-port", type=int, default=50051)
     up.add_argument("--cpu-port", type=int, default=50061)
     up.add_argument("--gpu-port", type=int, default=50062)
+    up.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP API")
     up.add_argument("--log-dir", type=Path, default=None, help="default: $TANDEM_HOME/logs")
 
     generate = commands.add_parser("generate", help="stream a completion through the router")
@@ -65,7 +66,8 @@ def _run(argv: list[str]) -> int:
         command.add_argument("--token-file", default=None,
                              help="file holding the bearer token (default: env TANDEM_TOKEN)")
 
-    commands.add_parser("bench", help="drive the router or one worker with a workload (see tandem bench --help)")
+    commands.add_parser("bench", help="drive the router, one worker or any OpenAI-compatible server with a workload "
+                                      "(see tandem bench --help)")
     for name, entry_point in installed.items():
         commands.add_parser(name, help=_command_help(name, entry_point))
 
@@ -80,7 +82,8 @@ def _run(argv: list[str]) -> int:
         from tandem.engine.model.loader import tandem_home
         from tandem.stack import run_stack
 
-        return run_stack(args.model, args.router_port, args.cpu_port, args.gpu_port, args.log_dir or tandem_home() / "logs")
+        return run_stack(args.model, args.router_port, args.cpu_port, args.gpu_port,
+                         args.log_dir or tandem_home() / "logs", http_port=args.http_port)
     return _call_router(args)
 
 

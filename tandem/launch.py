@@ -39,6 +39,7 @@ class ServiceProcess:
                  tls: ClientTLS | None = None):
         self.name = name
         self.args = list(args)
+        self.host = host
         self.port = port or free_port(host)
         self.address = f"{host}:{self.port}"
         self.log_path = log_path

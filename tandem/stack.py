@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.launch import ServiceProcess
+from tandem.engine.model.loader import model_name
+from tandem.launch import ServiceProcess, free_port
 
 
 class _Stop(Exception):
@@ -27,6 +28,11 @@ class Stack:
     gpu: ServiceProcess
     router: ServiceProcess
     notice: str
+    http_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.router.host}:{self.http_port}"
 
     @property
     def services(self) -> list[ServiceProcess]:
@@ -44,9 +50,10 @@ class Stack:
 
 def start_stack(model: str | None, log_dir: Path, host: str = "127.0.0.1", router_port: int | None = None,
                 cpu_port: int | None = None, gpu_port: int | None = None, cpu_args: tuple[str, ...] = (),
-                gpu_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()) -> Stack:
-    """Start both workers and the router (not yet healthy). Without CUDA, gpu_worker runs with
-    ``--device cpu`` and the cores are split between the two workers."""
+                gpu_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), http_port: int | None = None) -> Stack:
+    """Start both workers and the router (not yet healthy), the router's HTTP API on ``http_port`` (default: a
+    free port). Without CUDA, gpu_worker runs with ``--device cpu`` and the cores are split between the two
+    workers."""
     import torch
 
     from tandem.worker.config import default_threads
@@ -69,30 +76,33 @@ def start_stack(model: str | None, log_dir: Path, host: str = "127.0.0.1", route
         started.append(ServiceProcess("gpu_worker", "gpu_worker", [*model_args, *device_args, *gpu_args],
                                       log_dir / "gpu_worker.log", host, gpu_port))
         cpu, gpu = started
+        http_port = http_port or free_port()
+        # The HTTP port travels in the environment, so that the same command line also starts a router
+        # elsewhere (bench-router's comparisons).
         started.append(ServiceProcess(
             "router", "router_svc",
             [*model_args, "--worker", f"cpu=cpu@{cpu.address}", "--worker", f"gpu=gpu@{gpu.address}", *router_args],
-            log_dir / "router.log", host, router_port,
+            log_dir / "router.log", host, router_port, env={"TANDEM_HTTP_PORT": str(http_port)},
         ))
     except BaseException:
         for service in started:
             service.close()
         raise
-    return Stack(*started, notice)
+    return Stack(*started, notice, http_port)
 
 
 def run_stack(model: str | None, router_port: int, cpu_port: int, gpu_port: int, log_dir: Path,
-              host: str = "127.0.0.1") -> int:
+              host: str = "127.0.0.1", http_port: int = 8000) -> int:
     """Start both workers and the router, wait until all are healthy, and run until Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_stop)
     stack = None
     try:
-        stack = start_stack(model, log_dir, host, router_port, cpu_port, gpu_port)
+        stack = start_stack(model, log_dir, host, router_port, cpu_port, gpu_port, http_port=http_port)
         print(stack.notice)
         print(f"starting cpu_worker ({stack.cpu.address}), gpu_worker ({stack.gpu.address}), "
               f"router ({stack.router.address}); logs in {log_dir}/ ...", flush=True)
         stack.wait_for_health(lambda service: print(f"  {service.name} is healthy", flush=True))
-        print(_instructions(stack.router.address), flush=True)
+        print(_instructions(stack.router.address, stack.http_url, model_name(model)), flush=True)
         while all(service.alive for service in stack.services):
             time.sleep(0.5)
         dead = [s.name for s in stack.services if not s.alive]
@@ -111,13 +121,15 @@ def run_stack(model: str | None, router_port: int, cpu_port: int, gpu_port: int,
                 print(f"  {name} stopped (exit code {code})", flush=True)
 
 
-def _instructions(router: str) -> str:
+def _instructions(router: str, http_url: str, model: str) -> str:
     return f"""
-Tandem is running. The router listens on {router}.
+Tandem is running. The router serves gRPC on {router} and the OpenAI API on {http_url}/v1.
 
   .venv/bin/tandem generate "Why is the sky blue?"              # stream an answer
   .venv/bin/tandem generate --explain "Why is the sky blue?"    # ... and show the routing decision
   .venv/bin/tandem backends                                       # the workers' live state
   grpcurl -plaintext -d '{{"prompt_text": "Hello", "max_new_tokens": 16}}' {router} tandem.v1.Router/Generate
+  curl {http_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 16}}'
 
 Press Ctrl-C to stop everything."""

@@ -108,6 +108,11 @@ def mark_failed(span: trace.Span, exc: BaseException, context=None) -> grpc.Stat
     return code
 
 
+def mark_failed_status(span: trace.Span, status_name: str, message: str) -> None:
+    """Record on ``span`` that the request ended with the status named ``status_name``, saying ``message``."""
+    span.set_status(Status(StatusCode.ERROR, f"{status_name}: {message}"))
+
+
 def _status_code(exc: BaseException, context) -> grpc.StatusCode:
     if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)):
         return exc.code()

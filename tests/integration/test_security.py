@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from tandem.launch import free_port
 from tandem.security import BearerTokenAuth, ClientTLS, aio_channel, bearer_metadata, client_tls, server_tls
 from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from tests.certs import make_certificates
@@ -100,6 +101,7 @@ def secured_stack(tiny_llama, certs, tmp_path_factory):
     try:
         worker.wait_for_health()
         router = RouterProcess(tiny_llama, logs / "router.log", [f"w=cpu@127.0.0.1:{worker.port}"],
+                               "--http-port", str(free_port()),
                                "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
                                "--auth-token-file", str(logs / "tokens"), "--worker-ca", str(certs.ca),
                                "--worker-cert", str(certs.client_cert), "--worker-key", str(certs.client_key),
@@ -146,3 +148,28 @@ def test_workers_refuse_clients_without_a_certificate(secured_stack, certs):
     with grpc.insecure_channel(worker.address) as plaintext:
         with pytest.raises(grpc.RpcError):
             worker_pb2_grpc.WorkerStub(plaintext).GetInfo(worker_pb2.GetInfoRequest(), timeout=3)
+
+
+@pytest.mark.slow
+def test_the_http_api_serves_tls_with_the_same_tokens(secured_stack, certs):
+    import ssl
+
+    import httpx
+
+    router, _ = secured_stack
+    url = f"https://127.0.0.1:{router.args[router.args.index('--http-port') + 1]}"
+    body = {"prompt": [20, 21, 22], "max_tokens": 3}
+    with httpx.Client(verify=ssl.create_default_context(cafile=certs.ca)) as client:
+        assert client.get(f"{url}/health").status_code == 200  # health needs no token
+        refused = client.get(f"{url}/v1/models", headers={"Authorization": "Bearer gamma-token"})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        models = client.get(f"{url}/v1/models", headers={"Authorization": "Bearer alpha-token"}).json()["data"]
+        body["model"] = models[0]["id"]
+        completion = client.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer beta-token"})
+        assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
+        assert completion.headers["x-tandem-worker"] == "w"
+    with httpx.Client(verify=ssl.create_default_context(cafile=certs.other_ca)) as untrusting, \
+            pytest.raises(httpx.ConnectError):
+        untrusting.get(f"{url}/health")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url.replace("https", "http") + "/health")

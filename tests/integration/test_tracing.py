@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from tandem.launch import SERVING
+from tandem.launch import SERVING, free_port
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.integration.workers import RouterProcess, WorkerProcess
 
@@ -48,7 +48,10 @@ def traced_stack(tiny_llama, tmp_path_factory):
     router = None
     try:
         worker.wait_for_health()
-        router = RouterProcess(tiny_llama, logs / "router.log", [f"cpu=cpu@{worker.address}"], env=env)
+        http_port = free_port()
+        router = RouterProcess(tiny_llama, logs / "router.log", [f"cpu=cpu@{worker.address}"],
+                               "--http-port", str(http_port), env=env)
+        router.http_url = f"http://127.0.0.1:{http_port}"
         router.wait_for_health(SERVING)
         router.wait_for_backends({"cpu"})
         yield router, collector
@@ -143,3 +146,28 @@ def test_a_cancelled_request_produces_spans_marked_cancelled(traced_stack):
         assert spans[key].status.code == trace_pb2.Status.STATUS_CODE_ERROR
         assert spans[key].status.message == "cancelled"
         assert attributes(spans[key])["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+
+
+def test_an_http_request_joins_the_same_trace(traced_stack):
+    import httpx
+
+    router, collector = traced_stack
+    span, metadata = client_span("client http")
+    model = httpx.get(f"{router.http_url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": list(range(90, 110)), "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{router.http_url}/v1/completions", json=body, headers=dict(metadata), timeout=60) as response:
+        assert response.status_code == 200 and response.read().endswith(b"data: [DONE]\n\n")
+    span.end()
+    trace_id = span.get_span_context().trace_id.to_bytes(16, "big")
+    spans = wait_for(collector, trace_id, {
+        ("router", "POST /v1/completions", SERVER), ("router", "route", INTERNAL),
+        ("router", "tandem.v1.Worker/Generate", CLIENT), ("cpu-worker", "tandem.v1.Worker/Generate", SERVER),
+    })
+    router_server = spans[("router", "POST /v1/completions", SERVER)]
+    router_client = spans[("router", "tandem.v1.Worker/Generate", CLIENT)]
+    assert router_server.parent_span_id == span.get_span_context().span_id.to_bytes(8, "big")
+    assert spans[("router", "route", INTERNAL)].parent_span_id == router_client.parent_span_id == router_server.span_id
+    assert spans[("cpu-worker", "tandem.v1.Worker/Generate", SERVER)].parent_span_id == router_client.span_id
+    assert attributes(router_server)["gen_ai.usage.output_tokens"] == 4
+    assert router_server.status.code == trace_pb2.Status.STATUS_CODE_UNSET

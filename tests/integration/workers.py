@@ -51,8 +51,9 @@ class RouterProcess(ServiceProcess):
     def __init__(self, model_dir: Path, log_path: Path, workers: list[str], *args: str,
                  env: dict[str, str] | None = None, tls: ClientTLS | None = None):
         worker_args = [arg for spec in workers for arg in ("--worker", spec)]
+        # No HTTP front end unless a test asks for one (--http-port wins over the variable).
         super().__init__("router_svc", "router_svc", ["--model", str(model_dir), *worker_args, *args], log_path,
-                         env={"PYTHONPATH": str(REPO), **(env or {})}, tls=tls)
+                         env={"PYTHONPATH": str(REPO), "TANDEM_HTTP_PORT": "0", **(env or {})}, tls=tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     def wait_for_backends(self, healthy: set[str], timeout: float = 60.0, metadata=()) -> None:

@@ -67,8 +67,9 @@ def test_command_and_environment_are_accepted_by_the_entry_point(name, monkeypat
     assert config.host == "0.0.0.0"
     health_target = service["healthcheck"]["test"][-1]
     assert health_target == f"127.0.0.1:{config.port}", f"{name} healthcheck probes {health_target}"
+    served = {config.port, getattr(config, "http_port", None)}
     for mapping in service.get("ports", []):
-        assert int(mapping.split(":")[-1]) == config.port
+        assert int(mapping.split(":")[-1]) in served, f"{name} publishes {mapping}, which it does not serve"
 
 
 def test_router_workers_and_prometheus_targets_point_at_real_services():
@@ -89,7 +90,8 @@ def test_router_workers_and_prometheus_targets_point_at_real_services():
 
 def test_only_the_router_is_published_and_by_default_on_loopback():
     published = {name: service.get("ports", []) for name, service in COMPOSE["services"].items() if service.get("ports")}
-    assert published["router"] == ["${TANDEM_PUBLISH_HOST:-127.0.0.1}:50051:50051"]
+    assert published["router"] == ["${TANDEM_PUBLISH_HOST:-127.0.0.1}:50051:50051",
+                                   "${TANDEM_PUBLISH_HOST:-127.0.0.1}:8000:8000"]
     for name, ports in published.items():
         if name != "router":  # observability UIs: this host only
             assert all(port.startswith("127.0.0.1:") for port in ports), (name, ports)

@@ -39,6 +39,16 @@ def default_model_gguf() -> Path:
     return path
 
 
+def model_name(model: str | None = None) -> str:
+    """The name a model goes by in APIs: the default model's, a directory's or GGUF file's own, or the hub id."""
+    if model in (None, "", "default"):
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return path.stem
+    return path.name if path.is_dir() else model
+
+
 def resolve_model(model: str | None = None) -> Path:
     """Return a local Hugging Face model directory for ``model``.
 

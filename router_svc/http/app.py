@@ -1,0 +1,468 @@
+"""The router's OpenAI-compatible HTTP front end: a FastAPI app in the router's event loop, over the same
+request path as gRPC (``router_svc.router``), with no extra hop.
+
+Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``; a routing error's
+``Status`` maps to an HTTP status in one table. A streamed response starts only once the chosen worker
+produced its first output, so every failure before that is a proper HTTP status; a failure after it ends
+the stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from google.protobuf import json_format
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+
+from router_svc import metrics
+from router_svc.http.schema import ChatCompletionRequest, CompletionRequest, without_unhonoured
+from router_svc.policy import POLICIES
+from router_svc.router import RoutedRequest, Router, WorkerOutput
+from router_svc.routing import RoutingError, Status
+from tandem.decision import RoutingDecision
+from tandem.engine.errors import InvalidRequestError
+from tandem.protocol import encode_chat
+from tandem.security import BearerTokenAuth, ServerTLS
+from tandem.telemetry import mark_failed, mark_failed_status, tracer
+from tandem.v1 import common_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+_tracer = tracer("tandem.router")
+
+_HTTP_STATUS = {
+    Status.INVALID_ARGUMENT: 400, Status.OUT_OF_RANGE: 400, Status.FAILED_PRECONDITION: 400,
+    Status.UNAUTHENTICATED: 401, Status.PERMISSION_DENIED: 403, Status.NOT_FOUND: 404,
+    Status.RESOURCE_EXHAUSTED: 429, Status.CANCELLED: 499, Status.UNIMPLEMENTED: 501,
+    Status.UNAVAILABLE: 503, Status.DEADLINE_EXCEEDED: 504,
+}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable_error",
+                504: "timeout_error"}
+_FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
+                   common_pb2.FINISH_REASON_EOS: "stop"}
+# Worker and router field names, as the OpenAI API spells them.
+_OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt_text": "prompt",
+                  "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
+                  "sampling.seed": "seed"}
+RETRY_AFTER_S = 1
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+class HttpError(Exception):
+    """An error answered with OpenAI's envelope."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    @classmethod
+    def of(cls, exc: RoutingError | InvalidRequestError) -> "HttpError":
+        if isinstance(exc, InvalidRequestError):
+            return cls(400, str(exc), _OPENAI_FIELDS.get(exc.field, exc.field))
+        status = _HTTP_STATUS.get(exc.status, 500)
+        param = None
+        if status == 400:  # a worker's validation message starts with the field it names
+            field, sep, _ = str(exc).partition(":")
+            param = _OPENAI_FIELDS.get(field, field) if sep and " " not in field else None
+        if status == 429:
+            return cls(status, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return cls(status, str(exc), param)
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
+
+    def response(self, request_id: str | None = None) -> JSONResponse:
+        headers = {**self.headers, **({"x-request-id": request_id} if request_id else {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model the router serves over HTTP: its id, and aliases a request may name instead."""
+
+    id: str
+    aliases: tuple[str, ...] = ()
+    created: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.id, *self.aliases)
+
+
+class OpenAIFrontEnd:
+    """The routes, bound to one router, tokenizer and served model."""
+
+    def __init__(self, router: Router, tokenizer, model: ServedModel, default_policy: str,
+                 auth: BearerTokenAuth | None = None):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model = model
+        self.default_policy = default_policy
+        self.auth = auth
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tandem/v1/explain", self.explain, methods=["POST"])
+        app.add_api_route("/tandem/v1/backends", self.backends, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_exception_handler(HttpError, lambda request, exc: exc.response(request.headers.get("x-request-id")))
+        app.add_exception_handler(404, lambda request, exc: HttpError(404, f"no route {request.url.path}").response())
+        app.add_exception_handler(405, lambda request, exc: HttpError(
+            405, f"{request.method} is not allowed on {request.url.path}").response())
+        app.add_middleware(CountRequests, routes=frozenset(route.path for route in app.routes))
+        return app
+
+    # --- OpenAI routes -------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.model.created, "owned_by": "tandem"}
+            for name in self.model.names
+        ]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        return await self._generate(request, await self._parse(request, ChatCompletionRequest))
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        return await self._generate(request, await self._parse(request, CompletionRequest))
+
+    # --- Tandem's own routes ------------------------------------------------------------------------
+
+    async def explain(self, request: Request) -> JSONResponse:
+        """The decision a chat or completion request would get now, as JSON (a dry run: nothing is generated)."""
+        self._authorize(request)
+        schema = ChatCompletionRequest if "messages" in await _json_object(request) else CompletionRequest
+        body = await self._parse(request, schema)
+        prompt = await self._prompt_ids(body)
+        routed = self._routed(body, prompt, self._request_id(request))
+        span = self._span(request, "POST /tandem/v1/explain")
+        try:
+            decision = await self.router.decide(routed, span)
+        except RoutingError as exc:
+            mark_failed_status(span, exc.status.name, str(exc))
+            raise HttpError.of(exc) from None
+        finally:
+            span.end()
+        return JSONResponse(asdict(decision))
+
+    async def backends(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        return JSONResponse({"backends": [json_format.MessageToDict(b.message(), preserving_proto_field_name=True)
+                                          for b in self.router.registry.backends.values()]})
+
+    async def health(self, request: Request) -> Response:
+        healthy = self.router.registry.healthy()
+        if not healthy:
+            raise HttpError(503, "no healthy worker: " + ", ".join(
+                f"{b.name} ({b.describe()})" for b in self.router.registry.backends.values()))
+        return JSONResponse({"status": "ok", "healthy_workers": [b.name for b in healthy]})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    # --- the request path -----------------------------------------------------------------------------
+
+    async def _prompt_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            conversation = [{"role": m.role, "content": m.text} for m in body.messages]
+            try:
+                return await encode_chat(self.tokenizer, conversation, "messages")
+            except InvalidRequestError as exc:
+                raise HttpError.of(exc) from None
+        if isinstance(body.prompt, list):
+            return list(body.prompt)
+        ids = await asyncio.to_thread(lambda: list(self.tokenizer(body.prompt)["input_ids"]))
+        if not ids:
+            raise HttpError(400, "prompt: must not be empty", "prompt")
+        return ids
+
+    async def _parse(self, request: Request, schema):
+        body = _validated(schema, await _json_object(request))
+        if body.model not in self.model.names:
+            raise HttpError(404, f"the model {body.model!r} does not exist; this server serves "
+                                 f"{', '.join(map(repr, self.model.names))}", "model", "model_not_found")
+        return body
+
+    def _authorize(self, request: Request) -> None:
+        if self.auth is not None and not self.auth.authorized(request.headers.get("authorization")):
+            raise HttpError(401, "missing or invalid bearer token (header 'Authorization: Bearer <token>')",
+                            code="invalid_api_key")
+
+    def _request_id(self, request: Request) -> str:
+        given = request.headers.get("x-request-id", "")
+        return given if 0 < len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
+
+    def _span(self, request: Request, name: str):
+        return _tracer.start_span(name, context=propagate.extract(dict(request.headers)), kind=SpanKind.SERVER,
+                                  attributes={"http.request.method": request.method, "url.path": request.url.path})
+
+    def _routed(self, body, prompt: list[int], request_id: str) -> RoutedRequest:
+        policy = (body.tandem.policy if body.tandem else None) or self.default_policy
+        if policy not in POLICIES:
+            raise HttpError(400, f"tandem.policy: must be one of {', '.join(POLICIES)}; got {policy!r}", "tandem.policy")
+        limits = self.router.registry.model_limits()
+        if limits is not None:
+            context_length, vocab_size = limits  # the context, or the largest KV cache where that is less
+            if any(not 0 <= token < vocab_size for token in prompt):
+                raise HttpError(400, f"prompt: token ids must lie in [0, {vocab_size})", "prompt")
+            requested = body.requested_max_tokens()
+            if requested is not None and len(prompt) + requested > context_length:
+                field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+                raise HttpError(400, f"this model's context is {context_length} tokens; the prompt has {len(prompt)} "
+                                     f"and {field} asks for {requested}", field, "context_length_exceeded")
+            if len(prompt) >= context_length:
+                raise HttpError(400, f"this model's context is {context_length} tokens; the prompt has "
+                                     f"{len(prompt)}", "messages" if hasattr(body, "messages") else "prompt",
+                                "context_length_exceeded")
+            max_new_tokens = requested or context_length - len(prompt)
+        else:  # no worker has connected yet: routing will say so
+            max_new_tokens = body.requested_max_tokens() or 1
+        sampling = common_pb2.SamplingParams(**{
+            name: value for name, value in (("temperature", body.temperature), ("top_p", body.top_p),
+                                            ("top_k", None if body.top_k is None else max(0, body.top_k)),
+                                            ("seed", body.seed)) if value is not None})
+        worker_request = worker_pb2.GenerateRequest(
+            request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens,
+            sampling=sampling, stop=body.stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+        )
+        return RoutedRequest(request_id, prompt, max_new_tokens, policy, worker_request, frontend="http")
+
+    async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
+        chat = isinstance(body, ChatCompletionRequest)
+        prompt = await self._prompt_ids(body)
+        request_id = self._request_id(request)
+        routed = dataclasses.replace(self._routed(body, prompt, request_id), deadline=_deadline(request))
+        span = self._span(request, f"POST {request.url.path}")
+        span.set_attributes({"tandem.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
+                             "gen_ai.request.max_tokens": routed.max_new_tokens})
+        generation = Generation(self.router.generate(routed, span))
+        try:
+            await generation.start()
+        except RoutingError as exc:
+            mark_failed_status(span, exc.status.name, str(exc))
+            span.end()
+            raise HttpError.of(exc) from None
+        except BaseException:
+            span.end()
+            await generation.close()
+            raise
+        chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage)
+        headers = {"x-request-id": request_id, "x-tandem-worker": generation.worker}
+        if body.stream:
+            return EventSourceResponse(self._stream(generation, chunks, span), headers=headers, sep="\n")
+        try:
+            text, result = await generation.collect()
+        except RoutingError as exc:
+            mark_failed_status(span, exc.status.name, str(exc))
+            raise HttpError.of(exc) from None
+        finally:
+            span.end()
+        headers["x-tandem-worker"] = generation.worker
+        return JSONResponse(chunks.complete(text, result), headers=headers)
+
+    async def _stream(self, generation: "Generation", chunks: "Chunks", span) -> AsyncIterator[dict]:
+        try:
+            if chunks.chat:
+                yield _data(chunks.chunk({"role": "assistant", "content": ""}))
+            async for response in generation.responses():
+                if response.text:
+                    yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text))
+                if response.HasField("result"):
+                    yield _data(chunks.chunk({} if chunks.chat else "", _FINISH_REASONS.get(response.result.finish_reason)))
+                    if chunks.include_usage:
+                        yield _data(chunks.usage_chunk(response.result.usage))
+            yield {"data": "[DONE]"}
+        except RoutingError as exc:
+            mark_failed_status(span, exc.status.name, str(exc))
+            yield _data(HttpError.of(exc).body())
+        except BaseException as exc:
+            mark_failed(span, exc)
+            raise
+        finally:
+            await generation.close()
+            span.end()
+
+
+class CountRequests:
+    """Counts every HTTP response by route and status (``tandem_router_http_requests_total``); a plain ASGI
+    middleware, so streamed responses pass through untouched."""
+
+    def __init__(self, app, routes: frozenset[str]):
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                metrics.HTTP_REQUESTS.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+class Generation:
+    """One routed generation. ``start`` waits for the chosen worker's first output, so that a failure before
+    it is still an error the HTTP status can carry."""
+
+    def __init__(self, events: AsyncIterator[RoutingDecision | WorkerOutput]):
+        self._events = events
+        self._first: worker_pb2.GenerateResponse | None = None
+        self.worker = ""
+
+    async def start(self) -> None:
+        async for event in self._events:
+            if isinstance(event, RoutingDecision):
+                self.worker = event.chosen_worker
+                continue
+            self._first = event.response
+            return
+
+    async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        if self._first is not None:
+            yield self._first
+        async for event in self._events:
+            if isinstance(event, WorkerOutput):
+                yield event.response
+
+    async def collect(self) -> tuple[str, worker_pb2.GenerateResult]:
+        text, result = [], None
+        async for response in self.responses():
+            text.append(response.text)
+            if response.HasField("result"):
+                result = response.result
+        return "".join(text), result
+
+    async def close(self) -> None:
+        await self._events.aclose()
+
+
+@dataclass
+class Chunks:
+    """Makes the response objects of one request, chat or completion, streamed or not."""
+
+    id: str
+    model: str
+    chat: bool
+    include_usage: bool
+    created: int = 0
+
+    def __post_init__(self):
+        self.created = int(time.time())
+
+    def chunk(self, delta, finish_reason: str | None = None) -> dict:
+        choice = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason} if self.chat
+                  else {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason})
+        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                 "created": self.created, "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: common_pb2.Usage) -> dict:
+        return {**self.chunk(None), "choices": [], "usage": _usage(usage)}
+
+    def complete(self, text: str, result: worker_pb2.GenerateResult) -> dict:
+        finish_reason = _FINISH_REASONS.get(result.finish_reason)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish_reason} if self.chat
+                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": _usage(result.usage)}
+
+
+def _usage(usage: common_pb2.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
+            "total_tokens": usage.prompt_tokens + usage.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _deadline(request: Request) -> float | None:
+    """The ``time.monotonic()`` instant by which the request must end, from the ``x-request-timeout`` header
+    (seconds); None without one."""
+    given = request.headers.get(TIMEOUT_HEADER)
+    if given is None:
+        return None
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise HttpError(400, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, got {given!r}",
+                        TIMEOUT_HEADER)
+    return time.monotonic() + seconds
+
+
+def _data(payload: dict) -> dict:
+    return {"data": json.dumps(payload, separators=(",", ":"))}
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HttpError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return body
+
+
+def _validated(schema, body: dict):
+    try:
+        return schema.model_validate(without_unhonoured(body))
+    except InvalidRequestError as exc:
+        raise HttpError.of(exc) from None
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"]) or None
+        raise HttpError(400, f"{param}: {error['msg']}" if param else error["msg"], param) from None
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn inside the router's event loop. The router owns SIGTERM and SIGINT: it stops this server."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def http_server(front_end: OpenAIFrontEnd, host: str, port: int, tls: ServerTLS | None,
+                grace_s: float) -> EmbeddedServer:
+    """The HTTP server of ``front_end`` on ``host:port``: TLS with ``tls``, client certificates when it names a CA."""
+    config = uvicorn.Config(
+        front_end.app(), host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=grace_s,
+        ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
+        ssl_ca_certs=tls.client_ca_file if tls else None,
+        ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE,
+    )
+    return EmbeddedServer(config)

@@ -1,0 +1,149 @@
+"""The OpenAI-compatible request bodies the router accepts, as pydantic models.
+
+Unknown fields are refused (400 naming them). A field of the OpenAI API that Tandem does not honour may
+hold only its default (or null), anything else is refused naming the field: nothing a client asks for
+is silently dropped. ``user`` is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tandem.engine.errors import InvalidRequestError
+from tandem.protocol import CHAT_ROLES
+
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TandemOptions(_Strict):
+    """Tandem's own extension: ``{"tandem": {"policy": "finish_time"}}``."""
+
+    policy: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+# Fields of the OpenAI API that Tandem does not honour: the value each may take, which is what it means
+# when left out.
+_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "echo": (None, False),
+    "suffix": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "prompt_logprobs": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "web_search_options": (None,),
+}
+
+
+class _Sampling(_Strict):
+    """What chat and completion requests share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    tandem: TandemOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str]:
+        strings = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(strings) > MAX_STOP_STRINGS or any(not s for s in strings):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, none of them empty")
+        return strings
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("a batch of several prompts is not supported; send one request per prompt")
+            return prompt[0]
+        if not prompt:
+            raise ValueError("must not be empty")
+        return prompt
+
+
+def without_unhonoured(body: dict) -> dict:
+    """``body`` without the OpenAI fields Tandem does not honour, each of which must hold its default.
+
+    Raises:
+        InvalidRequestError: such a field asks for something else; the field is named.
+    """
+    for name, accepted in _UNSUPPORTED_DEFAULTS.items():
+        if name in body and not any(body[name] is value or (type(body[name]) is type(value) and body[name] == value)
+                                    for value in accepted):
+            shown = " or ".join("null" if value is None else json.dumps(value) for value in accepted)
+            raise InvalidRequestError(name, f"is not supported by this server (accepted: {shown})")
+    return {name: value for name, value in body.items() if name not in _UNSUPPORTED_DEFAULTS}

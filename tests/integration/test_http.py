@@ -1,0 +1,291 @@
+"""The router's OpenAI-compatible HTTP front end, driven by the real ``openai`` package (sync and async) and by
+raw HTTP, in front of two real workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tandem.launch import free_port
+from tests.integration.test_reliability import assert_no_leaks
+from tests.integration.workers import NOT_SERVING, SERVING, RouterProcess, running_worker, scrape_metrics
+
+ALIAS = "tandem-tiny"
+
+
+def http_router(model, log_path, workers, *args) -> tuple[RouterProcess, str]:
+    port = free_port()
+    router = RouterProcess(model, log_path, workers, "--http-port", str(port), *args)
+    return router, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("http")
+    with running_worker(tiny_llama, logs / "cpu.log") as cpu, \
+            running_worker(tiny_llama, logs / "gpu.log", module_kind="gpu") as gpu:
+        router, url = http_router(tiny_llama, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"],
+                                  "--served-model-name", ALIAS, "--metrics-port", str(free_port()))
+        try:
+            router.wait_for_health(SERVING)
+            router.wait_for_backends({"cpu", "gpu"})
+            yield router, url, {"cpu": cpu, "gpu": gpu}
+            assert router.alive, router.log()
+        finally:
+            router.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    _, url, _ = stack
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        yield client
+
+
+GREEDY = dict(temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
+
+
+def test_models_lists_the_served_model_and_its_alias(client, tiny_llama):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [tiny_llama.name, ALIAS]
+    assert all(m.object == "model" for m in models.data)
+
+
+def test_chat_completion_with_usage_finish_reason_and_the_chosen_worker(client):
+    raw = client.chat.completions.with_raw_response.create(model=ALIAS, messages=CHAT, **GREEDY)
+    completion = raw.parse()
+    assert raw.headers["x-tandem-worker"] in ("cpu", "gpu") and raw.headers["x-request-id"]
+    assert completion.object == "chat.completion" and completion.model == ALIAS
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 6
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + 6
+    assert completion.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_streamed_chat_equals_the_whole_one_and_carries_usage_last(client):
+    whole = client.chat.completions.create(model=ALIAS, messages=CHAT, **GREEDY)
+    chunks = list(client.chat.completions.create(model=ALIAS, messages=CHAT, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert all(c.usage is None for c in chunks[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 6
+    assert usage_chunk.usage.prompt_tokens == whole.usage.prompt_tokens
+    finishing = chunks[-2].choices[0]
+    assert finishing.finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == whole.choices[0].message.content
+
+
+def test_text_parts_are_joined_like_a_string(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello"}]}]
+    joined = [{"role": "user", "content": "Say\nhello"}]
+    a = client.chat.completions.create(model=ALIAS, messages=parts, **GREEDY)
+    b = client.chat.completions.create(model=ALIAS, messages=joined, **GREEDY)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens and a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_completions_from_text_and_from_token_ids(client, tiny_llama):
+    text = client.completions.create(model=tiny_llama.name, prompt="The quick brown fox", **GREEDY)
+    assert text.object == "text_completion" and text.choices[0].finish_reason == "length"
+    ids = list(range(20, 40))
+    whole = client.completions.create(model=tiny_llama.name, prompt=ids, **GREEDY)
+    assert whole.usage.prompt_tokens == 20 and whole.usage.completion_tokens == 6
+    streamed = list(client.completions.create(model=tiny_llama.name, prompt=ids, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert all(not hasattr(c, "usage") or c.usage is None for c in streamed)
+
+
+def test_a_repeated_prompt_reports_cached_tokens(client):
+    ids = list(range(50, 98))
+    client.completions.create(model=ALIAS, prompt=ids, **GREEDY)
+    again = client.completions.create(model=ALIAS, prompt=ids, **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+async def test_the_async_client_streams(stack):
+    _, url, _ = stack
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        stream = await client.chat.completions.create(model=ALIAS, messages=CHAT, stream=True, **GREEDY)
+        chunks = [chunk async for chunk in stream]
+        completion = await client.completions.create(model=ALIAS, prompt=[1, 2, 3], **GREEDY)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(n=2), "n"),
+    (dict(logprobs=True), "logprobs"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(extra_body={"tandem": {"policy": "fastest"}}), "tandem.policy"),
+    (dict(extra_body={"no_such_field": 1}), "no_such_field"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages.0.role"),
+])
+def test_a_field_the_server_does_not_honour_is_a_bad_request_naming_it(client, fields, param):
+    request = dict(model=ALIAS, messages=CHAT, max_tokens=4)
+    request.update(fields)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**request)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param, info.value.body
+
+
+def test_user_is_accepted_and_ignored(client):
+    assert client.chat.completions.create(model=ALIAS, messages=CHAT, user="someone", **GREEDY).choices
+
+
+def test_prompt_beyond_the_context_is_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=ALIAS, prompt=[1, 2, 3], max_tokens=10**6)
+    assert info.value.code == "context_length_exceeded" and info.value.body["param"] == "max_tokens"
+
+
+def test_an_unknown_model_is_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=4)
+    assert info.value.code == "model_not_found" and info.value.body["param"] == "model"
+
+
+def test_a_deadline_that_passes_is_a_gateway_timeout(stack):
+    router, url, workers = stack
+    body = {"model": ALIAS, "prompt": [3, 4, 5], "max_tokens": 300, "ignore_eos": True}
+    late = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-timeout": "0.001"}, timeout=60)
+    assert late.status_code == 504 and late.json()["error"]["type"] == "timeout_error"
+    bad = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-timeout": "soon"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-timeout"
+    assert_no_leaks(router, workers)
+
+
+def test_the_sse_framing_byte_for_byte(stack):
+    _, url, _ = stack
+    body = {"model": ALIAS, "prompt": [7, 8, 9], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read()
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]", raw
+    payloads = [json.loads(event.removeprefix(b"data: ")) for event in events[:-2]]
+    assert all(event.startswith(b"data: {") and b"\n" not in event for event in events[:-2]), raw
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
+    assert [p["choices"][0]["finish_reason"] for p in payloads[:-1]][-1] == "length"
+
+
+def test_health_metrics_explain_and_backends(stack):
+    router, url, _ = stack
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    httpx.post(f"{url}/v1/completions", json={"model": ALIAS, "prompt": [4, 5], "max_tokens": 2}, timeout=60)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'tandem_router_time_to_first_token_seconds_count{frontend="http"}' in metrics
+    decision = httpx.post(f"{url}/tandem/v1/explain", json={"model": ALIAS, "prompt": [4, 5], "max_tokens": 2}).json()
+    assert decision["chosen_worker"] in ("cpu", "gpu") and {s["worker"] for s in decision["scores"]} == {"cpu", "gpu"}
+    backends = httpx.get(f"{url}/tandem/v1/backends").json()["backends"]
+    assert {b["name"] for b in backends} == {"cpu", "gpu"} and all(b["healthy"] for b in backends)
+    assert scrape_metrics(router)  # the gRPC side's metrics port serves the same registry
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_worker(stack):
+    router, url, workers = stack
+    body = {"model": ALIAS, "prompt": list(range(100, 140)), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+    assert len(received) >= 2
+    assert_no_leaks(router, workers)
+
+
+BODY = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = st.sampled_from(["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+                          "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n", "user", "ignore_eos",
+                          "stop_token_ids", "tandem", "logprobs", "tools"])
+
+
+@st.composite
+def request_bodies(draw):
+    body = draw(st.dictionaries(FIELDS, BODY, max_size=8))
+    if draw(st.booleans()):
+        body["model"] = ALIAS
+    if draw(st.booleans()):
+        body.setdefault("max_tokens", draw(st.integers(1, 4)))
+    return body
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tandem/v1/explain"]), body=request_bodies())
+def test_fuzzed_bodies_never_get_a_server_error(stack, path, body):
+    _, url, _ = stack
+    response = httpx.post(f"{url}{path}", content=json.dumps(body, allow_nan=True), timeout=60)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_fuzzed_bodies_leave_no_leak(stack):
+    router, _, workers = stack
+    assert_no_leaks(router, workers)
+
+
+def test_bearer_tokens_and_rate_limits(tiny_llama, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret-token\n")
+    with running_worker(tiny_llama, tmp_path / "w.log") as worker:
+        router, url = http_router(tiny_llama, tmp_path / "router.log", [f"w=gpu@{worker.address}"],
+                                  "--auth-token-file", str(tokens), "--max-inflight", "1", "--max-queued", "0")
+        try:
+            router.wait_for_health(SERVING)
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+            assert httpx.get(f"{url}/health").status_code == 200  # health stays open
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="secret-token", max_retries=0)
+            started = threading.Event()
+
+            def long_request():
+                for _ in client.completions.create(model=tiny_llama.name, prompt=[1, 2], max_tokens=200,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    started.set()
+
+            thread = threading.Thread(target=long_request)
+            thread.start()
+            assert started.wait(60)
+            with pytest.raises(openai.RateLimitError) as info:
+                client.completions.create(model=tiny_llama.name, prompt=[1, 2], max_tokens=2)
+            assert int(info.value.response.headers["retry-after"]) >= 1
+            thread.join(60)
+        finally:
+            router.close()
+
+
+def test_no_healthy_worker_is_service_unavailable(tiny_llama, tmp_path):
+    router, url = http_router(tiny_llama, tmp_path / "router.log", [f"gone=cpu@127.0.0.1:{free_port()}"])
+    try:
+        router.wait_for_health(NOT_SERVING)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "gone (" in health.json()["error"]["message"]
+        with pytest.raises(openai.InternalServerError) as info:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
+                model=tiny_llama.name, prompt=[1, 2], max_tokens=2)
+        assert info.value.status_code == 503 and "no healthy worker" in info.value.message
+    finally:
+        router.close()
