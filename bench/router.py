@@ -1,9 +1,10 @@
 """`make bench-router`: what the router adds, and how long each policy takes to decide.
 
-1. Overhead: the same requests, interleaved, sent directly to gpu_worker and through the router (policy
-   gpu_only, so the router picks that same worker after probing both workers with Estimate). TTFT and
-   time per output token are compared by median and p99. For scale: the round trip of a routing
-   decision alone (Explain) and of one Estimate sent straight to the worker.
+1. Overhead: the same requests, interleaved, sent directly to gpu_worker, through the router over gRPC, and
+   through the router's OpenAI HTTP API (streamed /v1/completions) — policy gpu_only, so the router picks
+   that same worker after probing both workers with Estimate. TTFT and time per output token are compared
+   by median and p99. For scale: the round trip of a routing decision alone (Explain) and of one Estimate
+   sent straight to the worker.
 2. Decision time of every policy over simulated snapshots of 2, 8 and 64 workers.
 3. Footprint: a router's time from process start to SERVING, and its peak and current RSS after 50 routed
    requests (``--only footprint`` runs just this).
@@ -19,15 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from router_svc.policy import POLICIES, QueuedWork, RouteInput, WorkerView
 from tandem.bench.live import wait_for_healthy_backends
 from tandem.bench.results import percentile, write_json
-from tandem.engine.model.loader import resolve_model
+from tandem.engine.model.loader import model_name, resolve_model
 from tandem.stack import start_stack
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 
@@ -35,15 +39,34 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _timed_stream(responses) -> tuple[float, float]:
-    """(TTFT, time per output token after the first) of one streamed generation."""
+def _timed_stream(start_call) -> tuple[float, float]:
+    """(TTFT, time per output token after the first) of one streamed generation: ``start_call()`` starts it and
+    returns an iterable of the number of tokens in each message received."""
     start = time.perf_counter()
     token_times = []
-    for response in responses:
-        if response.token_ids:
-            token_times.extend([time.perf_counter()] * len(response.token_ids))
+    for num_tokens in start_call():
+        token_times.extend([time.perf_counter()] * num_tokens)
     ttft = token_times[0] - start
     return ttft, (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
+
+def _grpc_tokens(responses):
+    return (len(response.token_ids) for response in responses)
+
+
+def _sse_tokens(client, url: str, body: dict):
+    """A streamed completion over HTTP, one token per SSE chunk that carries text."""
+    with client.stream("POST", url, json=body, timeout=60) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                yield 1 if choices and choices[0]["text"] else 0
+
+
+def _rotated(names: list[str], index: int) -> list[str]:
+    """``names`` starting at ``index``: each path goes first equally often."""
+    return names[index % len(names):] + names[:index % len(names)]
 
 
 def _timed_call(call) -> float:
@@ -72,30 +95,35 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
                                                     sampling=sampling, ignore_eos=True)
         routed_request = router_pb2.RouteRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens,
                                                  sampling=sampling, ignore_eos=True, policy="gpu_only")
-        calls = {"direct": lambda: worker.Generate(direct_request, timeout=60)}
-        calls.update({name: (lambda stub=stub: stub.Generate(routed_request, timeout=60)) for name, stub in stubs.items()})
+        calls = {"direct": lambda: _grpc_tokens(worker.Generate(direct_request, timeout=60))}
+        calls.update({name: (lambda stub=stub: _grpc_tokens(stub.Generate(routed_request, timeout=60)))
+                      for name, stub in stubs.items()})
+        http_body = {"model": model_name(None), "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
+                     "ignore_eos": True, "stream": True, "tandem": {"policy": "gpu_only"}}
+        http = routers.enter_context(httpx.Client())
+        calls["http"] = lambda: _sse_tokens(http, f"{stack.http_url}/v1/completions", http_body)
         for _ in range(3):  # warm every path and the prefix cache
             for call in calls.values():
-                _timed_stream(call())
+                _timed_stream(call)
         explain = router_pb2.ExplainRequest(request=routed_request)
         estimate = worker_pb2.EstimateRequest(prompt_token_ids=prompt)
-        round_trips = {"worker_estimate": [_timed_call(lambda: worker.Estimate(estimate, timeout=10))
-                                           for _ in range(count)]}
-        for name, stub in stubs.items():
-            round_trips[name] = [_timed_call(lambda: stub.Explain(explain, timeout=10)) for _ in range(count)]
+        probes = {"worker_estimate": lambda: worker.Estimate(estimate, timeout=10)}
+        probes.update({name: (lambda stub=stub: stub.Explain(explain, timeout=10)) for name, stub in stubs.items()})
+        round_trips = {name: [] for name in probes}
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
-        order = list(calls)
         for index in range(count):
-            for name in order[index % len(order):] + order[:index % len(order)]:
-                samples[name].append(_timed_stream(calls[name]()))
+            for name in _rotated(list(probes), index):
+                round_trips[name].append(_timed_call(probes[name]))
+        for index in range(count):
+            for name in _rotated(list(calls), index):
+                samples[name].append(_timed_stream(calls[name]))
 
     def stats(name: str, position: int) -> dict:
         values = [s[position] * 1000 for s in samples[name]]
         return {"p50_ms": percentile(values, 50), "p99_ms": percentile(values, 99)}
 
     def compared_to_direct(name: str) -> dict:
-        result = {"round_trip": {"explain": {"p50_ms": percentile(round_trips[name], 50),
-                                             "p99_ms": percentile(round_trips[name], 99)}}}
+        result = {}
         for metric, position in (("ttft", 0), ("tpot", 1)):
             direct_stats, routed_stats = stats("direct", position), stats(name, position)
             result[metric] = {"direct": direct_stats, "routed": routed_stats,
@@ -103,12 +131,15 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
                               "added_p99_ms": routed_stats["p99_ms"] - direct_stats["p99_ms"]}
         return result
 
+    def round_trip(name: str) -> dict:
+        return {"p50_ms": percentile(round_trips[name], 50), "p99_ms": percentile(round_trips[name], 99)}
+
     result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens,
-              **compared_to_direct("routed")}
-    result["round_trip"]["worker_estimate"] = {"p50_ms": percentile(round_trips["worker_estimate"], 50),
-                                               "p99_ms": percentile(round_trips["worker_estimate"], 99)}
+              **compared_to_direct("routed"), "http": compared_to_direct("http"),
+              "round_trip": {"explain": round_trip("routed"), "worker_estimate": round_trip("worker_estimate")}}
     if checkouts:
-        result["compared"] = {str(tree): compared_to_direct(str(tree)) for tree in checkouts}
+        result["compared"] = {str(tree): {**compared_to_direct(str(tree)), "round_trip": {"explain": round_trip(str(tree))}}
+                              for tree in checkouts}
     return result
 
 
@@ -184,7 +215,8 @@ def _router_from(tree: Path, router_args: list[str], log_path: Path):
     # -P: the working directory does not shadow PYTHONPATH, so the router runs from ``tree``.
     start = time.perf_counter()
     router = ServiceProcess("router-" + tree.name, None, router_args, log_path,
-                            command=[sys.executable, "-P", "-m", "router_svc"], env={"PYTHONPATH": str(tree)})
+                            command=[sys.executable, "-P", "-m", "router_svc"],
+                            env={"PYTHONPATH": str(tree), "TANDEM_HTTP_PORT": "0"})
     # Reconnect within 50 ms (not gRPC's default backoff of 1 s and more), so SERVING is seen when it happens.
     channel = grpc.insecure_channel(router.address, options=[
         ("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
@@ -235,8 +267,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests on each path")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--decision-repeats", type=int, default=2000)
-    parser.add_argument("--only", choices=["footprint"],
-                        help="run only this part, into bench/results/router-footprint.json")
+    parser.add_argument("--only", choices=["overhead", "footprint"],
+                        help="run only this part, into bench/results/router-PART.json")
     parser.add_argument("--footprint-requests", type=int, default=50, help="routed requests before RSS is read")
     parser.add_argument("--footprint-runs", type=int, default=1, help="router starts measured (medians reported)")
     parser.add_argument("--compare-checkout", type=Path, action="append", default=[], metavar="TREE",
@@ -250,14 +282,16 @@ def main() -> int:
     try:
         stack.wait_for_health()
         asyncio.run(wait_for_healthy_backends(stack.router.address))
-        if args.only is None:
+        if args.only in (None, "overhead"):
             report["overhead"] = measure_overhead(stack, args.requests, args.max_new_tokens, checkouts)
-        report["router_footprint"] = measure_footprint(stack, args.footprint_requests, args.footprint_runs, checkouts)
+        if args.only in (None, "footprint"):
+            report["router_footprint"] = measure_footprint(stack, args.footprint_requests, args.footprint_runs,
+                                                           checkouts)
     finally:
         stack.stop()
-    output = RESULTS / ("router-footprint.json" if args.only else "router.json")
+    output = RESULTS / (f"router-{args.only}.json" if args.only else "router.json")
     write_json(output, report)
-    if args.only is None:
+    if "overhead" in report:
         overhead = report["overhead"]
         for tree, measured in [(str(ROOT), overhead), *overhead.get("compared", {}).items()]:
             print(f"router ({tree}): TTFT direct p50 {measured['ttft']['direct']['p50_ms']:.2f} ms, routed p50 "
@@ -265,17 +299,23 @@ def main() -> int:
                   f"p99 {measured['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
                   f"{measured['tpot']['added_p50_ms']:.3f} ms; Explain (probes + decision) p50 "
                   f"{measured['round_trip']['explain']['p50_ms']:.2f} ms")
+        http = overhead["http"]
+        print(f"OpenAI HTTP API ({ROOT}): TTFT p50 {http['ttft']['routed']['p50_ms']:.2f} ms: added p50 "
+              f"{http['ttft']['added_p50_ms']:.2f} ms, p99 {http['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
+              f"{http['tpot']['added_p50_ms']:.3f} ms")
         print(f"one Estimate straight to the worker p50 {overhead['round_trip']['worker_estimate']['p50_ms']:.2f} ms")
+    if "decision_time" in report:
         sizes = ("2 workers", "8 workers", "64 workers")
         print(f"{'policy':<14}" + "".join(f"{n:>12}" for n in sizes) + "   (p50 µs)")
         for name, by_size in report["decision_time"].items():
             print(f"{name:<14}" + "".join(f"{by_size[n]['p50_us']:>12.1f}" for n in ("2", "8", "64")))
-    footprint = report["router_footprint"]
-    for tree, measured in [(str(ROOT), footprint), *footprint.get("compared", {}).items()]:
-        print(f"router ({tree}): SERVING {measured['time_to_serving_s']:.2f} s after start; after "
-              f"{footprint['requests']} routed requests peak RSS {measured['peak_rss_mib']:.0f} MiB, RSS "
-              f"{measured['rss_mib']:.0f} MiB; torch {'loaded' if measured['imports_torch'] else 'not loaded'} "
-              f"(median of {len(measured['runs'])})")
+    if "router_footprint" in report:
+        footprint = report["router_footprint"]
+        for tree, measured in [(str(ROOT), footprint), *footprint.get("compared", {}).items()]:
+            print(f"router ({tree}): SERVING {measured['time_to_serving_s']:.2f} s after start; after "
+                  f"{footprint['requests']} routed requests peak RSS {measured['peak_rss_mib']:.0f} MiB, RSS "
+                  f"{measured['rss_mib']:.0f} MiB; torch {'loaded' if measured['imports_torch'] else 'not loaded'} "
+                  f"(median of {len(measured['runs'])})")
     print(f"wrote {output}", file=sys.stderr)
     return 0
 

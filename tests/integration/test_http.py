@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from tandem.launch import free_port
 from tests.integration.test_reliability import assert_no_leaks
-from tests.integration.workers import NOT_SERVING, SERVING, RouterProcess, running_worker, scrape_metrics
+from tests.integration.workers import (
+    HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics,
+)
 
 ALIAS = "tandem-tiny"
 
@@ -289,3 +291,30 @@ def test_no_healthy_worker_is_service_unavailable(tiny_llama, tmp_path):
         assert info.value.status_code == 503 and "no healthy worker" in info.value.message
     finally:
         router.close()
+
+
+@pytest.mark.slow
+def test_a_worker_lost_after_tokens_ends_the_stream_with_an_error_event(tiny_llama, tmp_path):
+    slow = WorkerProcess(tiny_llama, tmp_path / "slow.log", launcher=HARNESS, env={"HARNESS_STEP_DELAY_S": "0.2"})
+    router, url = http_router(tiny_llama, tmp_path / "router.log", [f"slow=gpu@{slow.address}"])
+    try:
+        slow.wait_for_health()
+        router.wait_for_backends({"slow"})
+        body = {"model": tiny_llama.name, "prompt": list(range(30, 50)), "max_tokens": 100, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                if len(events) == 3 and slow.alive:
+                    slow.process.kill()
+        payloads = [json.loads(event) for event in events]
+        assert "[DONE]" not in events and all("choices" in p for p in payloads[:-1])
+        error = payloads[-1]["error"]
+        assert error["type"] == "service_unavailable_error"
+        assert "worker slow failed after streaming" in error["message"] and "incomplete" in error["message"]
+    finally:
+        router.close()
+        slow.close()
