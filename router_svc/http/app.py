@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -223,7 +222,7 @@ class OpenAIFrontEnd:
         return _tracer.start_span(name, context=propagate.extract(dict(request.headers)), kind=SpanKind.SERVER,
                                   attributes={"http.request.method": request.method, "url.path": request.url.path})
 
-    def _routed(self, body, prompt: list[int], request_id: str) -> RoutedRequest:
+    def _routed(self, body, prompt: list[int], request_id: str, deadline: float | None = None) -> RoutedRequest:
         policy = (body.tandem.policy if body.tandem else None) or self.default_policy
         if policy not in POLICIES:
             raise HttpError(400, f"tandem.policy: must be one of {', '.join(POLICIES)}; got {policy!r}", "tandem.policy")
@@ -252,13 +251,13 @@ class OpenAIFrontEnd:
             request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens,
             sampling=sampling, stop=body.stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
         )
-        return RoutedRequest(request_id, prompt, max_new_tokens, policy, worker_request, frontend="http")
+        return RoutedRequest(request_id, prompt, max_new_tokens, policy, worker_request, deadline, frontend="http")
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
         prompt = await self._prompt_ids(body)
         request_id = self._request_id(request)
-        routed = dataclasses.replace(self._routed(body, prompt, request_id), deadline=_deadline(request))
+        routed = self._routed(body, prompt, request_id, _deadline(request))
         span = self._span(request, f"POST {request.url.path}")
         span.set_attributes({"tandem.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
                              "gen_ai.request.max_tokens": routed.max_new_tokens})
