@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from tandem.engine.engine import EngineState, LLMEngine, RequestOutput
 from tandem.engine.request import Request
+from tandem.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,17 @@ class AsyncEngine:
     bookkeeping, never across a model step.
     """
 
-    def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None,
+                 on_step: Callable[[SchedulerOutput], None] | None = None):
         """Args:
             engine: the engine to run.
             on_failure: called once, from the engine thread, with the reason when a model step fails.
+            on_step: called from the engine thread, outside the lock, with the schedule of every step
+                the model executed (after its outputs are delivered); it must be quick and not raise.
         """
         self.engine = engine
         self._on_failure = on_failure
+        self._on_step = on_step
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
@@ -162,6 +167,8 @@ class AsyncEngine:
                 outputs = self.engine.process(output, sampled, time.perf_counter() - start)
                 self._end_step()
             self._deliver(outputs)
+            if self._on_step is not None:
+                self._on_step(output)
 
     def _end_step(self) -> None:
         """Apply the aborts that arrived while the step ran. Call with the lock held."""

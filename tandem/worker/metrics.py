@@ -9,6 +9,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.engine.engine import EngineState, RequestOutput
+from tandem.engine.scheduler import SchedulerOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -20,6 +21,10 @@ E2E = Histogram("tandem_worker_e2e_request_latency_seconds", "Time from arrival 
 QUEUE = Histogram("tandem_worker_queue_time_seconds", "Time from arrival to the first scheduled step", buckets=_LATENCY_BUCKETS)
 PROMPT_TOKENS = Histogram("tandem_worker_prompt_tokens", "Prompt length of finished requests",
                           buckets=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+OUTPUT_TOKENS = Histogram("tandem_worker_output_tokens", "Output length of finished requests",
+                          buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+STEP_BATCH_SIZE = Histogram("tandem_worker_step_batch_size", "Requests computed per engine step (prefill and decode)",
+                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 FINISHED = Counter("tandem_worker_requests_finished_total", "Finished requests by finish reason", ["finish_reason"])
 PREEMPTIONS = Counter("tandem_worker_preemptions_total", "Times a request was preempted and recomputed")
 RPCS = Counter("tandem_worker_rpcs_total", "RPCs by method and final gRPC status code (errors included)", ["method", "code"])
@@ -31,11 +36,17 @@ def record_finished(output: RequestOutput) -> None:
     QUEUE.observe(stats.queue_time_s)
     E2E.observe(stats.total_time_s)
     PROMPT_TOKENS.observe(stats.num_prompt_tokens)
+    OUTPUT_TOKENS.observe(stats.num_output_tokens)
     PREEMPTIONS.inc(stats.num_preemptions)
     if stats.ttft_s is not None:
         TTFT.observe(stats.ttft_s)
         if stats.num_output_tokens > 1:
             TPOT.observe((stats.total_time_s - stats.ttft_s) / (stats.num_output_tokens - 1))
+
+
+def record_step(output: SchedulerOutput) -> None:
+    """Observe an executed engine step (the engine thread calls this once per step)."""
+    STEP_BATCH_SIZE.observe(len(output.scheduled))
 
 
 def rpc_status_recorder(method: str) -> Callable[[grpc.StatusCode], None]:

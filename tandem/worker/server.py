@@ -15,6 +15,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
 from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.worker import metrics
 from tandem.worker.config import WorkerConfig, default_threads
 from tandem.worker.servicer import WorkerIdentity, WorkerServicer
 
@@ -90,7 +91,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
 
     from tandem.engine.model.factory import load_tokenizer
 
-    async_engine = AsyncEngine(engine, on_failure=on_failure)
+    async_engine = AsyncEngine(engine, on_failure=on_failure, on_step=metrics.record_step)
     async_engine.start()
     servicer.attach(async_engine, identity, load_tokenizer(model_dir))
     await service.set_health(True)

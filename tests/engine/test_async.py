@@ -127,6 +127,22 @@ async def test_cancellation_storm_leaves_no_state(engine):
     assert_no_leaks(engine.engine)
 
 
+async def test_on_step_sees_every_executed_step_with_its_batch(tiny_llama):
+    """Three requests queued before the engine starts run as one batch: a prefill step, then four decode steps."""
+    steps = []
+    engine = AsyncEngine(make_engine(tiny_llama), on_step=lambda output: steps.append(len(output.scheduled)))
+    tasks = [asyncio.create_task(collect(engine, greedy_request(f"b{i}", random_prompt(engine.engine, 10, seed=i), 5)))
+             for i in range(3)]
+    await wait_until(lambda: engine.state().load.num_waiting == 3)
+    engine.start()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+        assert all(outputs[-1].stats.num_output_tokens == 5 for outputs in results)
+        assert steps == [3] * 5
+    finally:
+        engine.stop()
+
+
 async def test_model_fault_fails_every_request_and_marks_unhealthy(tiny_llama):
     inner = make_engine(tiny_llama)
     execute = inner.executor.execute

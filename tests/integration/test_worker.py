@@ -246,6 +246,12 @@ def test_metrics_parse_and_move_after_requests(worker):
     assert delta("tandem_worker_rpcs_total", method="Generate", code="OK") == 3
     assert delta("tandem_worker_rpcs_total", method="Generate", code="INVALID_ARGUMENT") == 1
     assert delta("tandem_worker_prefix_cache_queried_tokens_total") == 12
+    # Each request ran alone: one prefill step that samples the first token, then three decode steps.
+    assert delta("tandem_worker_output_tokens_count") == 3 and delta("tandem_worker_output_tokens_sum") == 12
+    assert delta("tandem_worker_output_tokens_bucket", le="4.0") == 3
+    assert delta("tandem_worker_output_tokens_bucket", le="1.0") == 0
+    assert delta("tandem_worker_step_batch_size_count") == 12 and delta("tandem_worker_step_batch_size_sum") == 12
+    assert delta("tandem_worker_step_batch_size_bucket", le="1.0") == 12
     assert after[("tandem_worker_requests_running", ())] == 0
     blocks = sum(after[("tandem_worker_kv_blocks", (("state", s),))] for s in ("used", "cached", "free"))
     assert blocks == estimate(worker).kv_blocks_total
