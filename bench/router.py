@@ -4,7 +4,8 @@
    through the router's OpenAI HTTP API (streamed /v1/completions) — policy gpu_only, so the router picks
    that same worker after probing both workers with Estimate. TTFT and time per output token are compared
    by median and p99. For scale: the round trip of a routing decision alone (Explain) and of one Estimate
-   sent straight to the worker.
+   sent straight to the worker. Each router's CPU time per request over the same rotation, read from /proc,
+   is the figure a busy machine disturbs least.
 2. Decision time of every policy over simulated snapshots of 2, 8 and 64 workers.
 3. Footprint: a router's time from process start to SERVING, and its peak and current RSS after 50 routed
    requests (``--only footprint`` runs just this).
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -82,10 +84,12 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
 
     with contextlib.ExitStack() as routers:
         stubs = {"routed": router_pb2_grpc.RouterStub(stack.router.channel)}
+        pids = {"routed": stack.router.process.pid}
         for index, tree in enumerate(checkouts):
             log_path = RESULTS / "router-logs" / f"router-compared-{index}.log"
-            _, channel, _ = routers.enter_context(_router_from(tree, stack.router.args, log_path))
+            process, channel, _ = routers.enter_context(_router_from(tree, stack.router.args, log_path))
             stubs[str(tree)] = router_pb2_grpc.RouterStub(channel)
+            pids[str(tree)] = process.process.pid
         worker = worker_pb2_grpc.WorkerStub(stack.gpu.channel)
         rng = random.Random(0)
         prompt = [rng.randrange(10, 40000) for _ in range(64)]
@@ -114,9 +118,11 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
         for index in range(count):
             for name in _rotated(list(probes), index):
                 round_trips[name].append(_timed_call(probes[name]))
+        cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
         for index in range(count):
             for name in _rotated(list(calls), index):
                 samples[name].append(_timed_stream(calls[name]))
+        cpu_per_request_ms = {name: (_cpu_seconds(pid) - cpu_before[name]) / count * 1000 for name, pid in pids.items()}
 
     def stats(name: str, position: int) -> dict:
         values = [s[position] * 1000 for s in samples[name]]
@@ -134,13 +140,22 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
     def round_trip(name: str) -> dict:
         return {"p50_ms": percentile(round_trips[name], 50), "p99_ms": percentile(round_trips[name], 99)}
 
+    # The stack's router also serves the HTTP path in the rotation, so its CPU time covers two requests per round.
     result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens,
               **compared_to_direct("routed"), "http": compared_to_direct("http"),
-              "round_trip": {"explain": round_trip("routed"), "worker_estimate": round_trip("worker_estimate")}}
+              "round_trip": {"explain": round_trip("routed"), "worker_estimate": round_trip("worker_estimate")},
+              "router_cpu_ms_per_round": cpu_per_request_ms["routed"]}
     if checkouts:
-        result["compared"] = {str(tree): {**compared_to_direct(str(tree)), "round_trip": {"explain": round_trip(str(tree))}}
+        result["compared"] = {str(tree): {**compared_to_direct(str(tree)), "round_trip": {"explain": round_trip(str(tree))},
+                                          "router_cpu_ms_per_round": cpu_per_request_ms[str(tree)]}
                               for tree in checkouts}
     return result
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` and its threads so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def snapshot(num_workers: int, seed: int = 0) -> list[WorkerView]:
@@ -298,7 +313,8 @@ def main() -> int:
                   f"{measured['ttft']['routed']['p50_ms']:.2f} ms: added p50 {measured['ttft']['added_p50_ms']:.2f} ms, "
                   f"p99 {measured['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
                   f"{measured['tpot']['added_p50_ms']:.3f} ms; Explain (probes + decision) p50 "
-                  f"{measured['round_trip']['explain']['p50_ms']:.2f} ms")
+                  f"{measured['round_trip']['explain']['p50_ms']:.2f} ms; CPU {measured['router_cpu_ms_per_round']:.2f} ms "
+                  "per round")
         http = overhead["http"]
         print(f"OpenAI HTTP API ({ROOT}): TTFT p50 {http['ttft']['routed']['p50_ms']:.2f} ms: added p50 "
               f"{http['ttft']['added_p50_ms']:.2f} ms, p99 {http['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
