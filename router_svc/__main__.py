@@ -9,6 +9,7 @@ import sys
 import time
 
 from router_svc.admission import Admission
+from router_svc import discovery
 from router_svc.backends import BackendRegistry
 from router_svc.config import RouterConfig, parse_config
 from router_svc.http.app import OpenAIFrontEnd, ServedModel, http_server
@@ -48,7 +49,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
                     config.probe_deadline_ms / 1000)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, config.policy), service.server)
     serve_metrics(config.host, config.metrics_port)
-    registry.start()
+    registry.start([discovery.build(spec, config.discovery) for spec in config.discover])
     await service.server.start()
     http = None
     if config.http_port:
@@ -64,7 +65,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     logger.info("router listening on %s (%s%s), policy %s, model fingerprint %s, workers (%s): %s", service.address,
                 "TLS" if config.tls else "plaintext", ", bearer tokens" if config.auth_tokens else "", config.policy,
                 fingerprint[:12], "TLS" if config.worker_tls else "plaintext",
-                ", ".join(f"{w.name}={w.kind}@{w.address}" for w in config.workers))
+                ", ".join([*(f"{w.name}={w.kind}@{w.address}" for w in config.workers), *config.discover]))
 
     serving = None
     while not stop.is_set():

@@ -1,4 +1,4 @@
-"""The workers as the router sees them: connection, health, latest state, and in-flight credit."""
+"""The workers as the router sees them: connection, health, latest state, in-flight credit, and membership."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from opentelemetry.trace import SpanKind
 
+from router_svc import metrics
 from router_svc.policy import QueuedWork, WorkerView
 from router_svc.probes import ProbeStream
 from router_svc.routing import Credit, Status, WorkerCallFailed, WorkerReport, build_view
@@ -49,13 +50,22 @@ class WorkerAddress:
         return cls(match["name"], match["kind"], match["host"], int(match["port"]))
 
 
-class Backend:
-    """One worker: a channel, a WatchState subscription with reconnection, and the router's accounting."""
+STATIC = "static"
 
-    def __init__(self, address: WorkerAddress, registry: "BackendRegistry"):
+
+class Backend:
+    """One worker: a channel, a WatchState subscription with reconnection, and the router's accounting.
+
+    ``source`` says how it joined: ``static`` (``--worker``) or the discovery that found it. A worker that
+    left (``leaving``) gets no new requests and stays until its in-flight streams end.
+    """
+
+    def __init__(self, address: WorkerAddress, registry: "BackendRegistry", source: str = STATIC):
         self.address = address
         self.name = address.name
         self.kind = address.kind
+        self.source = source
+        self.leaving = False
         self._registry = registry
         self.channel = aio_channel(address.address, registry.tls)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
@@ -72,7 +82,8 @@ class Backend:
     @property
     def healthy(self) -> bool:
         return (
-            self.connected
+            not self.leaving
+            and self.connected
             and self.info is not None
             and self._registry.fingerprint_matches(self)
             and self.state is not None
@@ -80,6 +91,8 @@ class Backend:
         )
 
     def describe(self) -> str:
+        if self.leaving:
+            return f"leaving ({len(self.credits)} in flight)"
         if self.healthy:
             return "serving"
         if self.connected and self.info is not None and not self._registry.fingerprint_matches(self):
@@ -96,7 +109,7 @@ class Backend:
             device=self.state.device if self.state is not None else (info.device if info else ""),
             healthy=self.healthy, status=self.describe(), state=self.state,
             model_fingerprint=info.model_fingerprint if info else "", routed_requests=self.routed_requests,
-            inflight_requests=len(self.credits), failed_requests=self.failed_requests,
+            inflight_requests=len(self.credits), failed_requests=self.failed_requests, source=self.source,
         )
 
     def dispatch(self, request_id: str, prefill_tokens: int, decode_tokens: int) -> None:
@@ -105,6 +118,8 @@ class Backend:
 
     def release(self, request_id: str) -> None:
         self.credits.pop(request_id, None)
+        if self.leaving and not self.credits:
+            self._registry.drained(self)
 
     def view(self, estimate: common_pb2.BackendState | None) -> WorkerView:
         """This worker's view for a policy: the fresh estimate (or the latest snapshot) plus credit."""
@@ -234,7 +249,10 @@ async def probe_all(backends: list[Backend], prompt_token_ids: list[int],
 
 
 class BackendRegistry:
-    """All configured workers. Only workers whose model fingerprint equals the reference are routed to.
+    """The workers: those configured with ``--worker`` and those discovery finds while the router runs.
+
+    Only workers whose model fingerprint equals the reference are routed to. A worker that leaves is taken
+    out of routing at once; its channel closes when its last in-flight stream ends.
 
     Args:
         reference_fingerprint: the fingerprint of the model the router was configured with; when None,
@@ -249,19 +267,77 @@ class BackendRegistry:
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique: {names}")
         self.backends = {address.name: Backend(address, self) for address in addresses}
+        self.draining: set[Backend] = set()
         self.reference_fingerprint = reference_fingerprint
-        self._tasks: list[asyncio.Task] = []
+        self._watches: dict[Backend, asyncio.Task] = {}
+        self._discoveries: list[asyncio.Task] = []
+        self._started = False
 
-    def start(self) -> None:
-        self._tasks = [asyncio.create_task(b.watch(), name=f"watch-{b.name}") for b in self.backends.values()]
+    def start(self, discoveries=()) -> None:
+        """Watch every configured worker, and run each discovery (an object with ``async run(registry)``)."""
+        self._started = True
+        for backend in self.backends.values():
+            self._watch(backend)
+        self._count_members()
+        self._discoveries = [asyncio.create_task(d.run(self), name=f"discover-{d.source}") for d in discoveries]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._discoveries, *self._watches.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for backend in self.backends.values():
+        await asyncio.gather(*tasks, return_exceptions=True)
+        backends = [*self.backends.values(), *self.draining]
+        for backend in backends:
             backend.close_probes()
-        await asyncio.gather(*(b.channel.close() for b in self.backends.values()))
+        await asyncio.gather(*(b.channel.close() for b in backends))
+
+    def reconcile(self, source: str, addresses: list[WorkerAddress]) -> None:
+        """Make the workers found by ``source`` exactly ``addresses``: new ones join, missing ones leave."""
+        wanted = {address.name: address for address in addresses}
+        for backend in [b for b in self.backends.values() if b.source == source]:
+            if backend.address != wanted.get(backend.name):
+                self.leave(backend)
+        for name, address in wanted.items():
+            present = self.backends.get(name)
+            if present is None:
+                self.join(address, source)
+            elif present.source != source:
+                logger.warning("%s found worker %s at %s, but %s already has that name; skipped", source, name,
+                               address.address, present.source)
+
+    def join(self, address: WorkerAddress, source: str) -> Backend:
+        backend = Backend(address, self, source)
+        self.backends[address.name] = backend
+        logger.info("worker %s (%s) at %s joined (%s)", address.name, address.kind, address.address, source)
+        metrics.MEMBERSHIP_CHANGES.labels(source, "join").inc()
+        if self._started:
+            self._watch(backend)
+        self._count_members()
+        return backend
+
+    def leave(self, backend: Backend) -> None:
+        """No new requests for ``backend``; it is closed once its in-flight streams have ended."""
+        del self.backends[backend.name]
+        backend.leaving = True
+        self.draining.add(backend)
+        logger.info("worker %s at %s left (%s); %d streams in flight finish on it", backend.name,
+                    backend.address.address, backend.source, len(backend.credits))
+        metrics.MEMBERSHIP_CHANGES.labels(backend.source, "leave").inc()
+        self._count_members()
+        if not backend.credits:
+            self.drained(backend)
+
+    def drained(self, backend: Backend) -> None:
+        self.draining.discard(backend)
+        watch = self._watches.pop(backend, None)
+        if watch is not None:
+            watch.cancel()
+        backend.close_probes()
+        asyncio.get_running_loop().create_task(backend.channel.close())
+
+    def listed(self) -> list[Backend]:
+        """Every worker, leaving ones included, as ListBackends shows them."""
+        return [*self.backends.values(), *self.draining]
 
     def register_fingerprint(self, backend: Backend) -> None:
         fingerprint = backend.info.model_fingerprint
@@ -270,6 +346,7 @@ class BackendRegistry:
         elif fingerprint != self.reference_fingerprint:
             logger.error("worker %s serves a different model (fingerprint %s, expected %s); not routing to it",
                          backend.name, fingerprint[:12], self.reference_fingerprint[:12])
+            metrics.WORKERS_REFUSED.labels(backend.source, "fingerprint").inc()
 
     def fingerprint_matches(self, backend: Backend) -> bool:
         return backend.info is not None and backend.info.model_fingerprint == self.reference_fingerprint
@@ -285,3 +362,10 @@ class BackendRegistry:
             return None
         largest_cache = max(info.kv_blocks_total * info.block_size for info in infos)
         return min(min(info.context_length for info in infos), largest_cache), min(info.vocab_size for info in infos)
+
+    def _watch(self, backend: Backend) -> None:
+        self._watches[backend] = asyncio.create_task(backend.watch(), name=f"watch-{backend.name}")
+
+    def _count_members(self) -> None:
+        for kind in WORKER_KINDS:
+            metrics.WORKERS.labels(kind).set(sum(b.kind == kind for b in self.backends.values()))

@@ -11,12 +11,14 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router_svc import discovery
 from router_svc.backends import WorkerAddress
 from router_svc.policy import DEFAULT_POLICY, POLICIES
 from tandem.options import EnvArgumentParser, non_negative_int, port_number, positive_float, positive_int
 from tandem.security import ClientTLS, ServerTLS, add_server_tls_arguments, client_tls, server_tls
 
 WORKERS_ENV = "TANDEM_WORKERS"
+DISCOVER_ENV = "TANDEM_DISCOVER"
 SERVED_NAMES_ENV = "TANDEM_SERVED_MODEL_NAME"
 
 @dataclass(frozen=True)
@@ -37,12 +39,14 @@ class RouterConfig:
     max_message_bytes: int = 4 << 20
     http_port: int = 8000
     served_model_names: tuple[str, ...] = ()
+    discover: tuple[str, ...] = ()
+    discovery: discovery.DiscoverySettings = field(default_factory=discovery.DiscoverySettings)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
-        if not self.workers:
-            raise ValueError("at least one --worker NAME=KIND@HOST:PORT is required")
+        if not self.workers and not self.discover:
+            raise ValueError("at least one --worker NAME=KIND@HOST:PORT or --discover is required")
 
 
 def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
@@ -69,6 +73,22 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                         help="a worker as NAME=KIND@HOST:PORT (KIND cpu or gpu); repeat for more "
                              f"[env {WORKERS_ENV}, comma-separated]")
     parser.env_vars[WORKERS_ENV] = "worker"
+    parser.add_argument("--discover", action="append",
+                        help="find workers while running: dns:NAME:PORT:KIND (every address of NAME, re-resolved) or "
+                             f"k8s (pods matching --selector); repeatable [env {DISCOVER_ENV}, comma-separated]")
+    parser.env_vars[DISCOVER_ENV] = "discover"
+    parser.add_env_argument("--discover-interval-s", "TANDEM_DISCOVER_INTERVAL_S", defaults.get("discover_interval_s", 1.0),
+                            type=positive_float, help="seconds between DNS lookups; first retry delay after a failure")
+    parser.add_env_argument("--dns-server", "TANDEM_DNS_SERVER", defaults.get("dns_server"),
+                            help="HOST[:PORT] of the DNS server to ask (default: the system's resolver configuration)")
+    parser.add_env_argument("--namespace", "TANDEM_NAMESPACE", defaults.get("namespace"),
+                            help="namespace of the worker pods (default: the router's own, or default)")
+    parser.add_env_argument("--selector", "TANDEM_SELECTOR", defaults.get("selector", discovery.DEFAULT_SELECTOR),
+                            help="label selector of the worker pods")
+    parser.add_env_argument("--kind-label", "TANDEM_KIND_LABEL", defaults.get("kind_label", discovery.DEFAULT_KIND_LABEL),
+                            help="pod label whose value (cpu or gpu) is the worker's kind")
+    parser.add_env_argument("--port-name", "TANDEM_PORT_NAME", defaults.get("port_name", discovery.DEFAULT_PORT_NAME),
+                            help="name of the worker container's gRPC port")
     parser.add_env_argument("--max-inflight", "TANDEM_MAX_INFLIGHT", defaults.get("max_inflight", 512),
                             type=positive_int, help="requests the router runs at once; more wait in its queue")
     parser.add_env_argument("--max-queued", "TANDEM_MAX_QUEUED", defaults.get("max_queued", 512), type=non_negative_int,
@@ -97,6 +117,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser = build_parser(file_defaults)
     args = parser.parse_args(argv)
     specs = args.worker or _split(os.environ.get(WORKERS_ENV, "")) or list(file_defaults.get("workers", []))
+    discover = args.discover or _split(os.environ.get(DISCOVER_ENV, "")) or list(file_defaults.get("discover", []))
     try:
         return RouterConfig(
             host=args.host,
@@ -106,6 +127,9 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             model=args.model,
             metrics_port=args.metrics_port,
             workers=tuple(WorkerAddress.parse(spec) for spec in specs),
+            discover=tuple(dict.fromkeys(discovery.parse_spec(spec) for spec in discover)),
+            discovery=discovery.DiscoverySettings(args.discover_interval_s, args.dns_server, args.namespace,
+                                                  args.selector, args.kind_label, args.port_name),
             max_inflight=args.max_inflight,
             max_queued=args.max_queued,
             queue_timeout_s=args.queue_timeout_s,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 ROUTING_DECISIONS = Counter(
-    "tandem_router_decisions_total", "Routing decisions, by chosen worker and policy", ["worker", "policy"]
+    "tandem_router_decisions_total", "Routing decisions, by chosen worker, its kind, and policy", ["worker", "kind", "policy"]
 )
 ROUTING_FAILOVERS = Counter(
     "tandem_router_failovers_total", "Requests moved to another worker after a failure before the first token", ["worker"]
@@ -28,13 +28,24 @@ HTTP_REQUESTS = Counter("tandem_router_http_requests_total", "HTTP requests by r
                         ["route", "status"])
 
 
+WORKERS = Gauge("tandem_router_workers", "Workers in the routing pool (leaving ones not counted), by kind", ["kind"])
+MEMBERSHIP_CHANGES = Counter("tandem_router_membership_changes_total",
+                             "Workers that joined or left the pool, by source (static or a discovery) and change",
+                             ["source", "change"])
+WORKERS_REFUSED = Counter("tandem_router_workers_refused_total",
+                          "Workers not routed to, or pods not admitted, by source and reason", ["source", "reason"])
+DISCOVERY_UP = Gauge("tandem_router_discovery_up", "1 while a discovery's last lookup succeeded, else 0", ["source"])
+DISCOVERY_ERRORS = Counter("tandem_router_discovery_errors_total", "Failed discovery lookups (DNS queries, API calls)",
+                           ["source"])
+
+
 def rpc_status_recorder(method: str):
     return lambda code: RPCS.labels(method, code.name).inc()
 
 
 def record_decision(message) -> None:
     """Count a decision (a tandem.v1.RoutingDecision) and observe every eligible worker's score."""
-    ROUTING_DECISIONS.labels(message.chosen_worker, message.policy).inc()
+    ROUTING_DECISIONS.labels(message.chosen_worker, message.chosen.kind, message.policy).inc()
     if message.policy in ("cost", "finish_time"):
         for score in message.scores:
             if score.eligible:

@@ -14,7 +14,7 @@ from router_svc import metrics
 from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry, probe_all
 from router_svc.policy import RouteInput
-from router_svc.routing import Failover, RoutingError, WorkerCallFailed, WorkerStatus, route
+from router_svc.routing import Failover, RoutingError, Status, WorkerCallFailed, WorkerStatus, route
 from tandem.decision import RoutingDecision
 from tandem.telemetry import child_span, mark_failed, mark_failed_status, tracer
 from tandem.v1 import common_pb2, worker_pb2
@@ -75,7 +75,10 @@ class Router:
             failover = Failover()
             while True:
                 decision = await self.decide(request, span, failover)
-                backend = self.registry.backends[decision.chosen_worker]
+                backend = self.registry.backends.get(decision.chosen_worker)
+                if backend is None:  # it left the pool while the decision was made
+                    failover.after_failure(WorkerCallFailed(decision.chosen_worker, Status.UNAVAILABLE, "left the pool"), 0)
+                    continue
                 self._sequence += 1
                 backend.dispatch(request.request_id, max(0, request.prompt_tokens - decision.chosen.cached_tokens),
                                  request.max_new_tokens)

@@ -59,7 +59,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListBackends(self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext):
         return router_pb2.ListBackendsResponse(
-            backends=[b.message() for b in self.router.registry.backends.values()])
+            backends=[b.message() for b in self.router.registry.listed()])
 
     async def _prepare(self, message: router_pb2.RouteRequest, context) -> RoutedRequest:
         try:

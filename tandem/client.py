@@ -59,14 +59,15 @@ def format_decision(decision: router_pb2.RoutingDecision) -> str:
 
 
 def format_backends(backends: list[router_pb2.Backend]) -> str:
-    header = (f"{'worker':<10}{'kind':<6}{'address':<22}{'device':<8}{'status':<12}{'run':>5}{'wait':>5}"
+    width = max([10, *(len(b.name) + 2 for b in backends)])
+    header = (f"{'worker':<{width}}{'kind':<6}{'address':<22}{'device':<8}{'status':<12}{'run':>5}{'wait':>5}"
               f"{'prefill':>9}{'decode':>8}{'prefill/s':>11}{'decode/s':>10}{'routed':>8}{'inflight':>9}")
     lines = [header]
     for b in backends:
         state = b.state
         kind = common_pb2.WorkerKind.Name(b.kind).removeprefix("WORKER_KIND_").lower()
         lines.append(
-            f"{b.name:<10}{kind:<6}{b.address:<22}{b.device or '-':<8}{b.status[:11]:<12}{state.num_running:>5}"
+            f"{b.name:<{width}}{kind:<6}{b.address:<22}{b.device or '-':<8}{b.status[:11]:<12}{state.num_running:>5}"
             f"{state.num_waiting:>5}{state.pending_prefill_tokens:>9}{state.pending_decode_tokens:>8}"
             f"{state.rates.prefill_tokens_per_s:>11.0f}{state.rates.decode_tokens_per_s:>10.0f}"
             f"{b.routed_requests:>8}{b.inflight_requests:>9}"

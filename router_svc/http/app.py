@@ -174,7 +174,7 @@ class OpenAIFrontEnd:
     async def backends(self, request: Request) -> JSONResponse:
         self._authorize(request)
         return JSONResponse({"backends": [json_format.MessageToDict(b.message(), preserving_proto_field_name=True)
-                                          for b in self.router.registry.backends.values()]})
+                                          for b in self.router.registry.listed()]})
 
     async def health(self, request: Request) -> Response:
         healthy = self.router.registry.healthy()

@@ -22,9 +22,10 @@ class WorkerProcess(ServiceProcess):
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str, module: str = "cpu_worker",
                  launcher: list[str] | None = None, env: dict[str, str] | None = None, port: int | None = None,
-                 tls: ClientTLS | None = None):
+                 tls: ClientTLS | None = None, host: str = "127.0.0.1"):
         super().__init__(module, None if launcher else module, ["--model", str(model_dir), "--threads", "1", *args],
-                         log_path, port=port, command=launcher, env={"PYTHONPATH": str(REPO), **(env or {})}, tls=tls)
+                         log_path, host=host, port=port, command=launcher, env={"PYTHONPATH": str(REPO), **(env or {})},
+                         tls=tls)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
 

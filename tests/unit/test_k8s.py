@@ -30,7 +30,7 @@ KIND_LABEL = "tandem.dev/worker-kind"
 # What a downward-API variable resolves to in a pod, for parsing the environment here.
 DOWNWARD_VALUES = {"metadata.namespace": "tandem", "requests.cpu": "2"}
 # Grafana's variables, as the dashboard's queries use them, replaced by what they could stand for.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h", "$job": ".*", "$cpu_workers": "cpu.*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h", "$job": ".*"}
 
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (with its built-in Kustomize) is not installed: "
                                                             "the overlays cannot be rendered")
