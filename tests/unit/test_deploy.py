@@ -1,7 +1,10 @@
-"""docker-compose.yml against the schema and against what the entry points actually accept (no Docker here)."""
+"""docker-compose.yml, the Dockerfile and their settings against the schema and against what the entry
+points and the Dockerfile actually accept (no Docker needed; `make compose-test` runs the stack for real)."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +16,15 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 TANDEM_SERVICES = {name: s for name, s in SERVICES.items() if s.get("command", [None])[:2] == ["python", "-m"]}
+TEST_OVERRIDE = yaml.safe_load((REPO / "deploy" / "compose" / "test.override.yml").read_text())["services"]
 ALLOWED_OTEL = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME"}
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+KIND = {"cpu_worker": "cpu", "gpu_worker": "gpu"}
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with every variable unset: its default."""
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", str(value))
 
 
 def entry_point(service: dict):
@@ -31,14 +42,16 @@ def entry_point(service: dict):
 
 def test_compose_file_matches_the_compose_spec():
     result = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(REPO / "docker-compose.yml")],
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(REPO / "docker-compose.yml"),
+         str(REPO / "deploy" / "compose" / "test.override.yml")],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_stack_has_every_service():
-    assert {"router", "cpu-worker", "gpu-worker", "gpu-worker-cpu", "otel-collector", "jaeger", "prometheus"} <= set(SERVICES)
+    assert {"router", "cpu-worker", "gpu-worker", "gpu-worker-cpu", "otel-collector", "jaeger", "prometheus",
+            "grafana"} <= set(SERVICES)
     reservation = SERVICES["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert reservation["driver"] == "nvidia" and "gpu" in reservation["capabilities"]
     assert SERVICES["gpu-worker-cpu"]["command"][-2:] == ["--device", "cpu"]
@@ -51,17 +64,22 @@ def test_every_depends_on_target_exists():
             assert target in SERVICES, f"{name} depends on unknown service {target}"
 
 
+def test_the_router_runs_without_the_observability_services():
+    """`docker compose up --no-deps router ...` (make compose-test) and hosts without the tracing stack."""
+    assert SERVICES["router"]["depends_on"]["otel-collector"]["required"] is False
+
+
 @pytest.mark.parametrize("name", sorted(TANDEM_SERVICES))
 def test_command_and_environment_are_accepted_by_the_entry_point(name, monkeypatch):
     service = TANDEM_SERVICES[name]
     parser, parse_config = entry_point(service)
-    environment = service.get("environment", {})
+    environment = {**service.get("environment", {}), **TEST_OVERRIDE.get(name, {}).get("environment", {})}
     unknown = {key for key in environment if key not in parser.env_vars and key not in ALLOWED_OTEL}
     assert not unknown, f"{name} sets variables its entry point ignores: {unknown}"
     for key in list(parser.env_vars) + sorted(ALLOWED_OTEL):
         monkeypatch.delenv(key, raising=False)
     for key, value in environment.items():
-        monkeypatch.setenv(key, str(value))
+        monkeypatch.setenv(key, interpolate(value))
     config = parse_config(service["command"][3:])
     assert config.port == int(environment["TANDEM_PORT"])
     assert config.host == "0.0.0.0"
@@ -72,27 +90,99 @@ def test_command_and_environment_are_accepted_by_the_entry_point(name, monkeypat
         assert int(mapping.split(":")[-1]) in served, f"{name} publishes {mapping}, which it does not serve"
 
 
+def test_the_test_override_only_adjusts_services_of_the_stack():
+    assert set(TEST_OVERRIDE) <= set(TANDEM_SERVICES)
+
+
+def _names() -> set[str]:
+    return set(SERVICES) | {alias for s in SERVICES.values()
+                            for network in (s.get("networks") or {}).values() for alias in (network or {}).get("aliases", [])}
+
+
 def test_router_workers_and_prometheus_targets_point_at_real_services():
-    names = set(SERVICES) | {alias for s in SERVICES.values()
-                             for network in (s.get("networks") or {}).values() for alias in (network or {}).get("aliases", [])}
+    names = _names()
     ports = {name: int(s["environment"]["TANDEM_PORT"]) for name, s in TANDEM_SERVICES.items()}
     metrics = {name: int(s["environment"]["TANDEM_METRICS_PORT"]) for name, s in TANDEM_SERVICES.items()}
-    for spec in SERVICES["router"]["environment"]["TANDEM_WORKERS"].split(","):
+    kinds = {name: KIND.get(s["command"][2]) for name, s in TANDEM_SERVICES.items()}
+    environment = SERVICES["router"]["environment"]
+    assert "TANDEM_WORKERS" in environment or "TANDEM_DISCOVER" in environment
+    for spec in filter(None, environment.get("TANDEM_WORKERS", "").split(",")):
         host, port = spec.split("@")[1].split(":")
         assert host in names and int(port) == ports[host], spec
+    for spec in filter(None, environment.get("TANDEM_DISCOVER", "").split(",")):
+        scheme, host, port, kind = spec.split(":")
+        assert scheme == "dns" and host in names and int(port) == ports[host] and kind == kinds[host], spec
     prometheus = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
-    targets = [t for job in prometheus["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
+    targets = [t for job in prometheus["scrape_configs"] for c in job.get("static_configs", []) for t in c["targets"]]
+    targets += [f"{name}:{c['port']}" for job in prometheus["scrape_configs"] for c in job.get("dns_sd_configs", [])
+                for name in c["names"]]
     assert len(targets) == 3
     for target in targets:
         host, port = target.split(":")
         assert host in names and int(port) == metrics[host], target
 
 
+def test_scaled_workers_are_scraped_by_dns():
+    """Every replica of `--scale cpu-worker=N` is its own Prometheus target (one A record each)."""
+    prometheus = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in prometheus["scrape_configs"]}
+    for worker in ("cpu-worker", "gpu-worker"):
+        (config,) = jobs[worker]["dns_sd_configs"]
+        assert config["names"] == [worker] and config["type"] == "A"
+    assert "container_name" not in SERVICES["cpu-worker"]  # a fixed name would forbid --scale
+
+
 def test_only_the_router_is_published_and_by_default_on_loopback():
     published = {name: service.get("ports", []) for name, service in COMPOSE["services"].items() if service.get("ports")}
-    assert published["router"] == ["${TANDEM_PUBLISH_HOST:-127.0.0.1}:50051:50051",
-                                   "${TANDEM_PUBLISH_HOST:-127.0.0.1}:8000:8000"]
+    assert [interpolate(p) for p in published["router"]] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
+    assert all(p.startswith("${TANDEM_PUBLISH_HOST:-127.0.0.1}:") for p in published["router"])
     for name, ports in published.items():
         if name != "router":  # observability UIs: this host only
             assert all(port.startswith("127.0.0.1:") for port in ports), (name, ports)
     assert not any(name.startswith(("cpu-worker", "gpu-worker")) for name in published)
+
+
+def _dockerfile_args() -> set[str]:
+    return set(re.findall(r"^ARG ([A-Z_]+)", DOCKERFILE, re.M))
+
+
+def test_two_images_from_one_dockerfile_with_the_cuda_build_for_gpu_worker():
+    images = {}
+    for name, service in TANDEM_SERVICES.items():
+        build = service["build"]
+        assert build["context"] == "." and build.get("dockerfile", "Dockerfile") == "Dockerfile", name
+        images[name] = (service["image"], build["args"]["TORCH_VARIANT"])
+        assert set(build["args"]) <= _dockerfile_args(), f"{name} passes build args the Dockerfile lacks"
+    assert images.pop("gpu-worker") == ("tandem-cuda:latest", "cuda")
+    assert set(images.values()) == {("tandem:latest", "cpu")}  # the router, cpu-worker and gpu-worker-cpu
+    assert re.search(r"^ARG TORCH_VARIANT=cpu$", DOCKERFILE, re.M)  # plain `docker build .` is the CPU image
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", DOCKERFILE, re.M)
+    assert re.findall(r"^FROM (\S+)", DOCKERFILE, re.M) == ["${BASE_IMAGE}"] * 3
+
+
+def test_the_build_context_holds_what_the_dockerfile_copies():
+    """.dockerignore leaves out everything but the sources, wheels/ and certs/, and keeps what COPY needs."""
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert patterns[0] == "*"
+    kept = {p[1:] for p in patterns if p.startswith("!")}
+    for line in re.findall(r"^COPY (?!--from)(.+)$", DOCKERFILE, re.M):
+        for source in line.split()[:-1]:
+            assert source in kept, f"COPY {source}: left out of the build context by .dockerignore"
+            assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+    excluded = [p for p in patterns[1:] if not p.startswith("!")]
+    assert any(fnmatch.fnmatch("tandem/v1", p) for p in excluded)  # generated in the image, never copied
+    for folder in ("wheels", "certs"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{folder}/some-file"], cwd=REPO).returncode == 0
+        assert ignored and (REPO / folder / "README.md").exists(), folder
+
+
+def test_grafana_provisions_the_dashboard_from_the_repository():
+    grafana = SERVICES["grafana"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"])  # pinned
+    assert grafana["ports"] == ["127.0.0.1:3000:3000"]
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in grafana["volumes"]
+    assert "./deploy/grafana/dashboards:/var/lib/grafana/dashboards:ro" in grafana["volumes"]
+    for volume in grafana["volumes"]:
+        assert (REPO / volume.split(":")[0]).is_dir(), volume
+    assert "prometheus" in grafana["depends_on"]
