@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router soak clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -52,6 +52,12 @@ bench-router: setup
 SOAK_S ?= 600
 soak: setup
 	$(PY) bench/soak.py --duration-s $(SOAK_S)
+
+# docker compose for real (not part of `make test`): build the CPU image, start the router and workers,
+# send requests through the published ports, scale cpu-worker to 3, tear down. Needs root or Docker.
+compose-test: $(VENV)/.installed proto
+	deploy/compose/host-setup.sh
+	$(PY) deploy/compose/test.py
 
 clean:
 	rm -rf $(VENV) tandem/v1 bench/results
