@@ -46,7 +46,7 @@ RUN set -e; : > /build/env; extra=; \
         echo "build: trusting$extra"; \
     fi; \
     case "$WHEELS_ONLY" in 1|true|yes) echo "export PIP_NO_INDEX=1" >> /build/env; echo "build: wheels/ only";; esac; \
-    ls /build/wheels | grep -v '^README' | sed 's/^/build: wheelhouse: /' || true
+    echo "build: wheelhouse: $(ls /build/wheels | grep -c '\.whl$' || true) wheels"
 
 # torch first, in its own layer: the largest download, and the only step that differs between variants.
 # A cuda build excludes a +cpu wheel the wheelhouse may also hold.
