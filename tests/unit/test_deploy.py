@@ -122,6 +122,14 @@ def test_router_workers_and_prometheus_targets_point_at_real_services():
         assert host in names and int(port) == metrics[host], target
 
 
+def test_the_router_finds_every_worker_replica_by_dns():
+    """`--scale cpu-worker=N` needs no router change: each replica's address is a worker of its own."""
+    environment = SERVICES["router"]["environment"]
+    assert "TANDEM_WORKERS" not in environment  # a static NAME@cpu-worker:PORT would reach one replica only
+    names = {spec.split(":")[1] for spec in environment["TANDEM_DISCOVER"].split(",")}
+    assert names == {"cpu-worker", "gpu-worker"}
+
+
 def test_scaled_workers_are_scraped_by_dns():
     """Every replica of `--scale cpu-worker=N` is its own Prometheus target (one A record each)."""
     prometheus = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
