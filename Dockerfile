@@ -71,7 +71,10 @@ RUN . /build/env && pip install -r /build/requirements.txt && pip install --no-d
 
 # The sources last: a code change rebuilds only the layers from here on.
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+# pyproject.toml names README.md as the package's long description; the image has no use for it, and
+# an empty one keeps edits of the real README from rebuilding these layers.
+RUN touch README.md
 COPY protos protos
 COPY tandem tandem
 COPY router_svc router_svc
