@@ -34,9 +34,22 @@ async def wait_until(predicate, timeout=10.0):
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
-async def test_the_engine_thread_is_scheduled_as_batch_work(engine):
-    assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_BATCH
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop's thread keeps its class
+async def test_the_engine_thread_runs_as_batch_work_only_when_asked(engine, tiny_llama):
+    await collect(engine, greedy_request("normal", [5, 6, 7], 2))
+    assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_OTHER
+    batch = AsyncEngine(make_engine(tiny_llama), priority="batch")
+    batch.start()
+    try:
+        await collect(batch, greedy_request("batch", [5, 6, 7], 2))
+        assert os.sched_getscheduler(batch._thread.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop's thread keeps its class
+    finally:
+        batch.stop()
+
+
+def test_an_unknown_engine_priority_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="priority must be one of normal, batch"):
+        AsyncEngine(make_engine(tiny_llama), priority="realtime")
 
 
 async def test_concurrent_streams_match_reference(engine, tiny_llama):
@@ -137,10 +150,10 @@ async def test_on_step_sees_every_executed_step_with_its_batch(tiny_llama):
     engine.start()
     try:
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
-        assert all(outputs[-1].stats.num_output_tokens == 5 for outputs in results)
-        assert steps == [3] * 5
     finally:
-        engine.stop()
+        engine.stop()  # joins the engine thread: the last step's callback, which follows its outputs, has run
+    assert all(outputs[-1].stats.num_output_tokens == 5 for outputs in results)
+    assert steps == [3] * 5
 
 
 async def test_model_fault_fails_every_request_and_marks_unhealthy(tiny_llama):

@@ -233,7 +233,13 @@ def test_metrics_parse_and_move_after_requests(worker):
         generate(worker.stub, prompt_token_ids=ids([7, 8, 9, i]), max_new_tokens=4, sampling=GREEDY, ignore_eos=True)
     with pytest.raises(grpc.RpcError):
         generate(worker.stub, prompt_token_ids=ids([]), max_new_tokens=4)
-    after = scrape_metrics(worker)
+    steps = ("tandem_worker_step_batch_size_count", ())
+
+    def every_step_recorded():  # a step is recorded just after its tokens go out, so the last may lag the reply
+        metrics = scrape_metrics(worker)
+        return metrics if metrics.get(steps, 0.0) - before.get(steps, 0.0) >= 12 else None
+
+    after = wait_until(every_step_recorded, timeout=10)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
