@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.results import percentile
-from tandem.engine.config import SchedulerConfig
+from tandem.engine.config import ENGINE_PRIORITIES, SchedulerConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.loader import resolve_model
@@ -81,10 +81,11 @@ async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: st
     return time.perf_counter() - start
 
 
-async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int) -> dict:
+async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
+                     priority: str = "normal") -> dict:
     engine = build_engine(model, scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512))
     rates = engine.rates.rates()
-    runner = AsyncEngine(engine)
+    runner = AsyncEngine(engine, priority=priority)
     runner.start()
     try:
         # TTFT of single requests: prompts of the workload's shape with nothing cached, then with the prefix cached.
@@ -184,6 +185,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="warm tandem runs; the median is reported")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run")
+    parser.add_argument("--engine-priority", choices=ENGINE_PRIORITIES, default="normal",
+                        help="the engine thread's scheduling, as the workers' --engine-priority")
     parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
 
@@ -194,7 +197,8 @@ def main() -> None:
     peer_prompts = prompts.batch(args.requests)
 
     results: dict[str, dict] = {}
-    tandem = asyncio.run(run_tandem(str(model_dir), prompts, args.requests, args.max_new_tokens, args.repeats))
+    tandem = asyncio.run(run_tandem(str(model_dir), prompts, args.requests, args.max_new_tokens, args.repeats,
+                                    args.engine_priority))
     results["tandem"] = tandem
     print(f"tandem: {tandem['output_tok_s']:.1f} tok/s, makespan {tandem['makespan_s']:.2f} s", flush=True)
     for name in [p for p in args.peers.split(",") if p]:
@@ -225,6 +229,7 @@ def main() -> None:
         },
         "model": str(model_dir),
         "dtype": "float32",
+        "engine_priority": args.engine_priority,
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__},
         "results": results,

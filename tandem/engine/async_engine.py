@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+from tandem.engine.config import ENGINE_PRIORITIES
 from tandem.engine.engine import EngineState, LLMEngine, RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.scheduler import SchedulerOutput
@@ -29,14 +30,19 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None,
-                 on_step: Callable[[SchedulerOutput], None] | None = None):
+                 on_step: Callable[[SchedulerOutput], None] | None = None, priority: str = "normal"):
         """Args:
             engine: the engine to run.
             on_failure: called once, from the engine thread, with the reason when a model step fails.
             on_step: called from the engine thread, outside the lock, with the schedule of every step
                 the model executed (after its outputs are delivered); it must be quick and not raise.
+            priority: ``normal``, or ``batch``: the engine thread runs in Linux's SCHED_BATCH class, so
+                that on a host shared with a router and clients their short wake-ups go ahead of a step.
         """
+        if priority not in ENGINE_PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(ENGINE_PRIORITIES)}; got {priority!r}")
         self.engine = engine
+        self.priority = priority
         self._on_failure = on_failure
         self._on_step = on_step
         self._lock = threading.Lock()
@@ -133,12 +139,11 @@ class AsyncEngine:
         return state
 
     def _run(self) -> None:
-        # Model steps are batch work: on a shared host, the service's own I/O, a router and its
-        # clients wake up ahead of them, so probes and tokens do not wait behind a step.
-        try:
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except (AttributeError, OSError) as exc:  # not Linux, or a sandbox that forbids it
-            logger.info("the engine thread keeps its scheduling class: %r", exc)
+        if self.priority == "batch":
+            try:
+                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+            except (AttributeError, OSError) as exc:  # not Linux, or a sandbox that forbids it
+                logger.info("the engine thread keeps its scheduling class: %r", exc)
         while True:
             with self._wakeup:
                 while not self.engine.has_work() and not self._stopping:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How the engine thread is scheduled: "batch" puts it in Linux's SCHED_BATCH class (see AsyncEngine).
+ENGINE_PRIORITIES = ("normal", "batch")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

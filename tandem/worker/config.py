@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.config import ENGINE_PRIORITIES, CacheConfig, SchedulerConfig
 from tandem.options import EnvArgumentParser, port_number, positive_float, positive_int
 from tandem.protocol import WORKER_KINDS
 from tandem.security import ServerTLS, add_server_tls_arguments, server_tls
@@ -30,6 +30,7 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     drain_grace_s: float = 30.0
+    engine_priority: str = "normal"
     max_message_bytes: int = 4 << 20
     metrics_port: int = 0
     tls: ServerTLS | None = None
@@ -69,6 +70,9 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="KV cache memory in GiB")
     parser.add_env_argument("--num-kv-blocks", "TANDEM_NUM_KV_BLOCKS", None, type=positive_int,
                             help="exact number of KV blocks (overrides --kv-cache-gib)")
+    parser.add_env_argument("--engine-priority", "TANDEM_ENGINE_PRIORITY", "normal", choices=list(ENGINE_PRIORITIES),
+                            help="batch: the engine thread yields the CPU to short wake-ups (Linux SCHED_BATCH); "
+                                 "for a worker sharing its cores with a router and clients")
     parser.add_env_argument("--drain-grace-s", "TANDEM_DRAIN_GRACE_S", 30.0, type=float,
                             help="seconds in-flight streams get to finish after SIGTERM")
     parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", 4 << 20, type=positive_int,
@@ -99,6 +103,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
             ),
             cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
             drain_grace_s=args.drain_grace_s,
+            engine_priority=args.engine_priority,
             max_message_bytes=args.max_message_bytes,
             metrics_port=args.metrics_port,
             tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),

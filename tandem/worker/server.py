@@ -91,7 +91,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
 
     from tandem.engine.model.factory import load_tokenizer
 
-    async_engine = AsyncEngine(engine, on_failure=on_failure, on_step=metrics.record_step)
+    async_engine = AsyncEngine(engine, on_failure=on_failure, on_step=metrics.record_step,
+                               priority=config.engine_priority)
     async_engine.start()
     servicer.attach(async_engine, identity, load_tokenizer(model_dir))
     await service.set_health(True)
