@@ -71,8 +71,10 @@ $(PEERS_VENV)/.installed:
 	rm -rf $(PEERS_VENV)/src/$(LLAMA_CPP_SDIST)
 	touch $@
 
+# A partial run: make bench-peers PEERS_ARGS="--systems tandem,llama_cpp --repeats 1"
+PEERS_ARGS ?=
 bench-peers: setup $(PEERS_VENV)/.installed
-	$(PY) bench/peers.py --peers-python $(PEERS_PY)
+	$(PY) bench/peers.py --peers-python $(PEERS_PY) $(PEERS_ARGS)
 
 # A mixed load with worker kills for SOAK_S seconds (default 600): bench/results/soak.json.
 SOAK_S ?= 600
