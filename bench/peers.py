@@ -63,6 +63,7 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict
         if run["output_tokens"] != job["max_new_tokens"]:
             raise RuntimeError(f"a single stream produced {run['output_tokens']} tokens, expected {job['max_new_tokens']}")
     burst = _median([r["makespan_s"] for r in burst_runs])
+    ttfts = [r["ttft_s"] for r in single_runs if r["ttft_s"] is not None]
     single = _median([r["seconds"] for r in single_runs])
     return {
         "burst_output_tok_s": expected_burst / burst,
@@ -71,7 +72,7 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict
         "single_stream_tok_s": job["max_new_tokens"] / single,
         "single_stream_s": single,
         "single_stream_runs_s": [r["seconds"] for r in single_runs],
-        "single_stream_ttft_s": _median([r["ttft_s"] for r in single_runs]),
+        "single_stream_ttft_s": _median(ttfts) if ttfts else None,
         # The greedy tokens of the first single-stream prompt, to check that every system runs the same model.
         "single_stream_first_tokens": single_runs[0]["tokens"],
     }
@@ -370,8 +371,9 @@ def run_one(system: str, precision: str, python: Path, job_file: Path, env: dict
                                   timeout=timeout_s)
         if proc.returncode != 0:
             lines = log.read_text(errors="replace").strip().splitlines()
-            print("\n".join(lines[-15:]), file=sys.stderr)
-            return {"error": f"exit {proc.returncode}: {lines[-1] if lines else ''}", "log": str(log),
+            errors = [line for line in lines if "Error" in line or "Exception" in line] or lines[-1:]
+            print(f"  see {log}: {errors[-1] if errors else ''}", file=sys.stderr)
+            return {"error": f"exit {proc.returncode}: {errors[-1] if errors else ''}", "log": str(log),
                     "load_before": load_before}
         result = json.loads(out.read_text())
     except subprocess.TimeoutExpired:
@@ -493,7 +495,7 @@ def print_table(results: dict, speed: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ", ".join(SYSTEMS))
-    parser.add_argument("--repeats", type=int, default=3, help="bursts and single streams per precision; medians")
+    parser.add_argument("--repeats", type=int, default=2, help="bursts and single streams per precision; medians")
     parser.add_argument("--model", default=None, help="model directory (default: the provisioned SmolLM2-135M-Instruct)")
     parser.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--threads", type=int, default=2, help="compute threads for every system")
@@ -508,6 +510,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900, help="per (system, precision) process")
     parser.add_argument("--output", type=Path, default=RESULTS / "peers.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other systems' results from an earlier --output and recompute the comparisons")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--precision", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -557,12 +561,17 @@ def main() -> None:
             else:
                 print(f"  burst {result['burst_output_tok_s']:.1f} tok/s (makespan {result['burst_makespan_s']:.2f} s), "
                       f"single stream {result['single_stream_tok_s']:.1f} tok/s, {result['wall_s']:.0f} s in all", flush=True)
-    for system, entries in results.items():
-        entries["best"] = _best(entries, "burst_output_tok_s")
-        entries["best_single_stream"] = _best(entries, "single_stream_tok_s")
     for precision, note in gguf_notes.items():
         if precision not in results.get("llama_cpp", {}):
             results.setdefault("llama_cpp", {})[precision] = {"error": note}
+    kept: list[str] = []
+    if args.merge and args.output.is_file():
+        earlier = json.loads(args.output.read_text()).get("results", {})
+        kept = [system for system in earlier if system not in results]
+        results = {**{system: earlier[system] for system in kept}, **results}
+    for system, entries in results.items():
+        entries["best"] = _best(entries, "burst_output_tok_s")
+        entries["best_single_stream"] = _best(entries, "single_stream_tok_s")
     speed = speedups(results)
     report = {
         "benchmark": "peers",
@@ -578,15 +587,14 @@ def main() -> None:
         "gguf": {"files": job.get("gguf", {}), "notes": gguf_notes},
         "threads": args.threads,
         "machine": report_machine,
+        "versions": {system: next((r["versions"] for r in entries.values() if isinstance(r, dict) and "versions" in r), None)
+                     for system, entries in results.items()},
         "results": results,
         "speedup": speed,
         "greedy_agreement_with_tandem_float32": agreement(results),
+        "kept_from_earlier_run": kept,
         "total_s": time.perf_counter() - started,
     }
-    for entries in results.values():
-        for r in entries.values():
-            if isinstance(r, dict):
-                r.pop("single_stream_first_tokens", None)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print_table(results, speed)
