@@ -82,7 +82,7 @@ async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: st
 
 
 async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
-                     priority: str = "normal") -> dict:
+                     priority: str = "batch") -> dict:
     engine = build_engine(model, scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512))
     rates = engine.rates.rates()
     runner = AsyncEngine(engine, priority=priority)
@@ -185,7 +185,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="warm tandem runs; the median is reported")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run")
-    parser.add_argument("--engine-priority", choices=ENGINE_PRIORITIES, default="normal",
+    parser.add_argument("--engine-priority", choices=ENGINE_PRIORITIES, default="batch",
                         help="the engine thread's scheduling, as the workers' --engine-priority")
     parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
