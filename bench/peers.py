@@ -86,6 +86,12 @@ def _load_bench_engine():
     return module
 
 
+def _bench_engine_priority(bench_engine) -> str | None:
+    """The engine thread's scheduling that bench/engine.py runs Tandem with, where it has that choice."""
+    parameter = inspect.signature(bench_engine.run_tandem).parameters.get("priority")
+    return parameter.default if parameter is not None and isinstance(parameter.default, str) else None
+
+
 def tandem_precisions() -> dict[str, dict]:
     """Every precision build_engine accepts on the CPU: its dtypes, and its weight formats if it has any."""
     from tandem.engine.model import factory, runner
@@ -144,7 +150,8 @@ def run_tandem(job: dict, precision: str) -> dict:
     engine = build_engine(job["model_dir"], scheduler=SchedulerConfig(max_active_requests=num_requests,
                                                                       max_num_batched_tokens=512), **options)
     startup = time.perf_counter() - start
-    runner = AsyncEngine(engine)
+    priority = job.get("tandem_engine_priority") or _bench_engine_priority(bench_engine)
+    runner = AsyncEngine(engine, priority=priority) if priority else AsyncEngine(engine)
 
     async def single(prompt: list[int], tag: str) -> dict:
         start = time.perf_counter()
@@ -172,7 +179,8 @@ def run_tandem(job: dict, precision: str) -> dict:
     result = _summary(job, bursts, singles)
     result["startup_s"] = startup
     result["settings"] = {**{k: str(v) for k, v in options.items()}, "max_active_requests": num_requests,
-                          "max_num_batched_tokens": 512, "torch_threads": torch.get_num_threads()}
+                          "max_num_batched_tokens": 512, "torch_threads": torch.get_num_threads(),
+                          "engine_priority": getattr(runner, "priority", None)}
     result["versions"] = {"torch": torch.__version__, "python": platform.python_version()}
     return result
 
@@ -313,6 +321,7 @@ def make_job(model_dir: Path, args: argparse.Namespace) -> dict:
         "warm_prompt": prompts.batch(1)[0],
         "bursts": [prompts.batch(args.requests) for _ in range(args.repeats)],
         "singles": prompts.unrelated(args.repeats, args.single_prompt_tokens),
+        "tandem_engine_priority": args.tandem_engine_priority,
     }
 
 
@@ -500,6 +509,8 @@ def main() -> None:
     parser.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--threads", type=int, default=2, help="compute threads for every system")
     parser.add_argument("--tandem-precisions", default=None, help="comma-separated (default: all build_engine accepts)")
+    parser.add_argument("--tandem-engine-priority", default=None,
+                        help="AsyncEngine's priority (default: bench/engine.py's)")
     parser.add_argument("--vllm-precisions", default=",".join(VLLM_DTYPES))
     parser.add_argument("--gguf-precisions", default=",".join(GGUF_PRECISIONS))
     parser.add_argument("--requests", type=int, default=8)
