@@ -3,7 +3,8 @@
 8 requests share a 496-token prefix plus 20 distinct tokens each (516 tokens), generate exactly 128
 tokens (EOS ignored) and are submitted together. Tandem runs with max_active 8 after one earlier
 request warmed the prefix; each repeat uses fresh suffixes, so only the prefix is ever cached.
-Every peer runs the same prompts with the same model and dtype in this process, one after another.
+Every peer runs the same prompts with the same model, device and dtype in this process, one after
+another (``--device cuda`` puts all of them on the GPU, in its natural dtype unless ``--dtype`` says).
 
 TTFT is reported two ways: for one request alone on an idle engine (``cold_*``: nothing cached;
 ``warm_*``: the prefix cached), which isolates what the prefix cache saves, and for the whole burst
@@ -29,6 +30,7 @@ from tandem.engine.config import ENGINE_PRIORITIES, SchedulerConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.loader import resolve_model
+from tandem.engine.model.runner import DTYPES, resolve_dtype
 from tandem.engine.request import Request, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,8 +84,9 @@ async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: st
 
 
 async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
-                     priority: str = "batch") -> dict:
-    engine = build_engine(model, scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512))
+                     priority: str = "batch", device: str = "cpu", dtype: str | None = None) -> dict:
+    engine = build_engine(model, device, dtype,
+                          scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512))
     rates = engine.rates.rates()
     runner = AsyncEngine(engine, priority=priority)
     runner.start()
@@ -120,10 +123,10 @@ async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_to
     }
 
 
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # EOS ignored, as for tandem
     model.generation_config.pad_token_id = 0
     return model
@@ -139,7 +142,8 @@ def run_hf_sequential(model, prompts, max_new_tokens: int):
     def go():
         outputs = []
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+            out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False,
+                                 max_new_tokens=max_new_tokens)
             outputs.append(out[0, len(prompt):].tolist())
         return outputs
 
@@ -149,8 +153,8 @@ def run_hf_sequential(model, prompts, max_new_tokens: int):
 def run_hf_padded_batch(model, prompts, max_new_tokens: int):
     def go():
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens)
         return [row[width:].tolist() for row in out]
 
@@ -187,18 +191,23 @@ def main() -> None:
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run")
     parser.add_argument("--engine-priority", choices=ENGINE_PRIORITIES, default="batch",
                         help="the engine thread's scheduling, as the workers' --engine-priority")
+    parser.add_argument("--device", default="cpu", help="torch device of Tandem and every peer: cpu, cuda, cuda:1")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="weights and activations of all systems; auto: the device's natural dtype")
     parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
 
     torch.set_num_threads(os.cpu_count() or 1)
+    dtype = resolve_dtype(torch.device(args.device), args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
     model_dir = resolve_model(args.model)
-    model = load_hf(model_dir)
+    model = load_hf(model_dir, args.device, dtype)
     prompts = Prompts(model.config.vocab_size, args.prefix_tokens, args.suffix_tokens)
     peer_prompts = prompts.batch(args.requests)
 
     results: dict[str, dict] = {}
     tandem = asyncio.run(run_tandem(str(model_dir), prompts, args.requests, args.max_new_tokens, args.repeats,
-                                    args.engine_priority))
+                                    args.engine_priority, args.device, dtype_name))
     results["tandem"] = tandem
     print(f"tandem: {tandem['output_tok_s']:.1f} tok/s, makespan {tandem['makespan_s']:.2f} s", flush=True)
     for name in [p for p in args.peers.split(",") if p]:
@@ -228,10 +237,12 @@ def main() -> None:
             "max_active": args.requests,
         },
         "model": str(model_dir),
-        "dtype": "float32",
+        "device": args.device,
+        "dtype": dtype_name,
         "engine_priority": args.engine_priority,
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-                    "torch": torch.__version__},
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None},
         "results": results,
         "ttft_ms": ttft_ms,
         "best_peer": best_peer,

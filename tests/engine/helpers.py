@@ -10,13 +10,16 @@ from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.model.factory import build_engine
 from tandem.engine.request import Request, SamplingParams
+from tests.device import TEST_DEVICE
 
 GREEDY = SamplingParams(temperature=0)
 
 
 def make_engine(model_dir: Path, num_kv_blocks: int = 256, **scheduler) -> LLMEngine:
+    """An uncalibrated fp32 engine on the test device, token for token comparable with ``hf_greedy``."""
     config = SchedulerConfig(**{"max_num_batched_tokens": 64, **scheduler})
-    return build_engine(str(model_dir), scheduler=config, cache=CacheConfig(num_kv_blocks=num_kv_blocks), calibrate=False)
+    return build_engine(str(model_dir), TEST_DEVICE, "float32", scheduler=config, cache=CacheConfig(num_kv_blocks=num_kv_blocks),
+                        calibrate=False)
 
 
 def random_prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:
@@ -47,7 +50,7 @@ def output_tokens(outputs: list[RequestOutput]) -> list[int]:
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(TEST_DEVICE).eval()
     model.generation_config.eos_token_id = None  # never stop at EOS, as ``ignore_eos``
     return model
 
@@ -56,7 +59,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     """Reference output: transformers' own generate, greedy, never stopping at EOS (as ``ignore_eos``)."""
     with torch.inference_mode():
         out = _hf_model(str(model_dir)).generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+            torch.tensor([prompt], device=TEST_DEVICE), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
         )
     return out[0, len(prompt):].tolist()
 

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
+from tests.device import TEST_DEVICE
 from tests.engine.helpers import hf_greedy
 from tandem.launch import free_port
 from tests.integration.workers import (
@@ -140,7 +141,7 @@ def test_list_backends_reports_every_worker(stack):
     backends = {b.name: b for b in router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends}
     assert set(backends) == {"cpu", "gpu"}
     for name, backend in backends.items():
-        assert backend.healthy and backend.status == "serving" and backend.device == "cpu"
+        assert backend.healthy and backend.status == "serving" and backend.device == {"cpu": "cpu", "gpu": TEST_DEVICE}[name]
         assert backend.state.rates.decode_tokens_per_s > 0 and len(backend.model_fingerprint) == 64
     assert backends["cpu"].kind == common_pb2.WORKER_KIND_CPU and backends["gpu"].kind == common_pb2.WORKER_KIND_GPU
     assert sum(b.routed_requests for b in backends.values()) > 0

@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 from tandem.v1 import common_pb2, worker_pb2
 from tests.integration.workers import HARNESS, NOT_SERVING, REPO, SERVING, WorkerProcess
@@ -95,6 +96,24 @@ def test_gpu_worker_on_cpu_configured_through_the_environment(tiny_llama, tmp_pa
         state = worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)
         assert (state.kind, state.device) == (common_pb2.WORKER_KIND_GPU, "cpu")
         assert "running on the CPU" in worker.log()
+    finally:
+        assert worker.terminate() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_worker_takes_the_gpu_in_bf16_by_default(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_DEVICE", raising=False)
+    monkeypatch.delenv("TANDEM_DTYPE", raising=False)
+    worker = WorkerProcess(tiny_llama, tmp_path / "gpu.log", module="gpu_worker")
+    try:
+        worker.wait_for_health(SERVING)
+        info = worker.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+        assert (info.kind, info.device, info.dtype) == (common_pb2.WORKER_KIND_GPU, "cuda", "bfloat16")
+        responses = list(worker.stub.Generate(long_request(64), timeout=60))
+        assert sum(len(r.token_ids) for r in responses) == 64
+        assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        state = worker.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)
+        assert (state.device, state.num_running) == ("cuda", 0) and state.rates.decode_tokens_per_s > 0
     finally:
         assert worker.terminate() == 0
 

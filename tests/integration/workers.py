@@ -12,6 +12,7 @@ import grpc
 from tandem.launch import NOT_SERVING, SERVING, ServiceProcess  # noqa: F401  (re-exported for the tests)
 from tandem.security import ClientTLS
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
+from tests.device import TEST_DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.py")]  # a worker with faults injected
@@ -33,10 +34,10 @@ class WorkerProcess(ServiceProcess):
 def running_worker(model_dir: Path, log_path: Path, *args: str, module_kind: str = "cpu"):
     """A healthy worker for the duration of the block; fails the block if the worker died meanwhile.
 
-    ``module_kind="gpu"`` runs gpu_worker with ``--device cpu``.
+    ``module_kind="gpu"`` runs gpu_worker in fp32 on the test device (the CPU unless TANDEM_TEST_DEVICE says).
     """
     if module_kind == "gpu":
-        args = ("--device", "cpu", *args)
+        args = ("--device", TEST_DEVICE, "--dtype", "float32", *args)
     process = WorkerProcess(model_dir, log_path, *args, module=f"{module_kind}_worker")
     try:
         process.wait_for_health()
