@@ -77,6 +77,7 @@ def test_engine_failure_ends_streams_and_turns_health_off(tiny_llama, tmp_path):
         worker.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
 def test_gpu_worker_without_a_gpu_exits_with_a_clear_message(tiny_llama):
     env = {key: value for key, value in os.environ.items() if key != "TANDEM_DEVICE"}
     result = subprocess.run([sys.executable, "-m", "gpu_worker", "--model", str(tiny_llama), "--port", "0"],
