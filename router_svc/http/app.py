@@ -120,7 +120,10 @@ class OpenAIFrontEnd:
         self.auth = auth
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, openapi_url=None)
+        # The router traces each request itself (one SERVER span, parent of `route` and the worker call) and
+        # keeps its own metrics; FastAPI's built-in telemetry would add a second server span per request.
+        app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None, openapi_url=None,
+                      telemetry={"tracing": False, "metrics": False, "logs": False})
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])

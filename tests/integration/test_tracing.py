@@ -166,6 +166,8 @@ def test_an_http_request_joins_the_same_trace(traced_stack):
     })
     router_server = spans[("router", "POST /v1/completions", SERVER)]
     router_client = spans[("router", "tandem.v1.Worker/Generate", CLIENT)]
+    assert [s.name for service, s in collector.spans if s.trace_id == trace_id and service == "router"
+            and s.kind == SERVER] == ["POST /v1/completions"]  # one server span per request, not one per framework
     assert router_server.parent_span_id == span.get_span_context().span_id.to_bytes(8, "big")
     assert spans[("router", "route", INTERNAL)].parent_span_id == router_client.parent_span_id == router_server.span_id
     assert spans[("cpu-worker", "tandem.v1.Worker/Generate", SERVER)].parent_span_id == router_client.span_id
