@@ -97,6 +97,8 @@ def tandem_precisions() -> dict[str, dict]:
 
     dtypes = [d for d in ("float32", "bfloat16") if d in runner.DTYPES]
     options = {dtype: {"dtype": dtype} for dtype in dtypes}
+    if "decode_weights" in inspect.signature(factory.build_engine).parameters:
+        options["float32+bf16-decode"] = {"dtype": "float32", "decode_weights": "bfloat16"}
     parameter = inspect.signature(factory.build_engine).parameters.get("weights")
     if parameter is not None:
         for value in _accepted_values(parameter, factory):

@@ -19,14 +19,15 @@ HARNESS = [sys.executable, str(REPO / "tests" / "integration" / "worker_harness.
 
 
 class WorkerProcess(ServiceProcess):
-    """A worker serving ``model_dir`` with one torch thread, plus a Worker stub."""
+    """A worker serving ``model_dir`` with one torch thread and float32 weights for every step (so that its
+    outputs compare token for token with transformers'), plus a Worker stub."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str, module: str = "cpu_worker",
                  launcher: list[str] | None = None, env: dict[str, str] | None = None, port: int | None = None,
                  tls: ClientTLS | None = None, host: str = "127.0.0.1"):
-        super().__init__(module, None if launcher else module, ["--model", str(model_dir), "--threads", "1", *args],
-                         log_path, host=host, port=port, command=launcher, env={"PYTHONPATH": str(REPO), **(env or {})},
-                         tls=tls)
+        args = ("--model", str(model_dir), "--threads", "1", "--decode-weights", "float32", *args)
+        super().__init__(module, None if launcher else module, list(args), log_path, host=host, port=port,
+                         command=launcher, env={"PYTHONPATH": str(REPO), **(env or {})}, tls=tls)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.config import DEFAULT_DECODE_WEIGHTS, CacheConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.model.loader import resolve_model
 from tandem.engine.model.runner import ModelRunner
@@ -17,10 +17,11 @@ def build_engine(
     cache: CacheConfig = CacheConfig(),
     max_model_len: int | None = None,
     calibrate: bool = True,
+    decode_weights: str = DEFAULT_DECODE_WEIGHTS,
 ) -> LLMEngine:
     """Load ``model`` (see ``resolve_model``) on ``device`` and return its engine, calibrated by default."""
     model_dir = resolve_model(model)
-    runner = ModelRunner(model_dir, device, dtype, cache, scheduler.block_size, max_model_len)
+    runner = ModelRunner(model_dir, device, dtype, cache, scheduler.block_size, max_model_len, decode_weights)
     engine = LLMEngine(runner, load_tokenizer(model_dir), scheduler)
     if calibrate:
         engine.calibrate()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.config import CacheConfig
+from tandem.engine.config import DEFAULT_DECODE_WEIGHTS, CacheConfig
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, pack_linears_for_cpu, rope_tables
 from tandem.engine.model.loader import load_tensors
 from tandem.engine.model.sampler import sample
@@ -42,6 +42,9 @@ class ModelRunner:
         cache: KV cache size.
         block_size: tokens per KV block (must match the scheduler's).
         max_model_len: context limit; defaults to the model's ``max_position_embeddings``.
+        decode_weights: for a float32 model on the CPU, the dtype of the weights that steps of one or two
+            rows (single-stream decode) read: "bfloat16" keeps a second, half-size copy for them;
+            "float32": none.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class ModelRunner:
         cache: CacheConfig = CacheConfig(),
         block_size: int = 16,
         max_model_len: int | None = None,
+        decode_weights: str = DEFAULT_DECODE_WEIGHTS,
     ):
         from transformers import AutoConfig, GenerationConfig
 
@@ -66,8 +70,10 @@ class ModelRunner:
             model = CausalLM(config)
         model.load_hf_state_dict(load_tensors(model_dir))
         self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        self.decode_dtype = self.dtype
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            pack_linears_for_cpu(self.model)
+            self.decode_dtype = resolve_dtype(self.torch_device, decode_weights)
+            pack_linears_for_cpu(self.model, self.decode_dtype)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
@@ -80,9 +86,8 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self.cos_table, self.sin_table = rope_tables(config, self.max_model_len, self.dtype, self.torch_device)
-        logger.info(
-            "model %s on %s (%s): %d KV blocks of %d tokens", model_dir, self.device, self.dtype, self.num_kv_blocks, block_size
-        )
+        logger.info("model %s on %s (%s, %s for single-stream decode): %d KV blocks of %d tokens", model_dir, self.device,
+                    self.dtype, self.decode_dtype, self.num_kv_blocks, block_size)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int | None]:

@@ -1,0 +1,102 @@
+"""The quality gate that low-precision weights must pass to become the default, on the default model.
+
+Against float32 weights for every step: perplexity on a fixed text (scored one position per step, the
+shape of a single stream's decode steps) within 2%, and greedy continuations of 64 tokens for 16
+prompts, each request alone, matching on at least 90% of the tokens. The bf16 weights for
+single-stream decode (``--decode-weights bfloat16``) pass the first and not the second, so they are
+an option, not the default; should they come to pass it, the strict xfail below fails and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.model.factory import build_engine
+from tandem.engine.model.llama import AttentionMetadata
+from tests.engine.helpers import greedy_request, output_tokens, run_to_completion
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+TEXT = (Path(__file__).parent / "data" / "quality.txt").read_text()
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "To make a cup of tea, first",
+    "The three primary colours are",
+    "def add(a, b):\n    return",
+    "Photosynthesis is the process by which",
+    "My favourite season is autumn because",
+    "The meeting has been moved to Thursday, so",
+    "Water boils at a temperature of",
+    "Here is a short poem about the moon:\n",
+    "The best way to learn a new language is",
+    "In 1969, the first astronauts",
+    "A list of fruits: apple, banana,",
+    "The train was late again, and the passengers",
+    "Dear customer, thank you for your order.",
+    "The main difference between a virus and a bacterium is",
+]
+NEW_TOKENS = 64
+
+
+def engine_with(decode_weights: str):
+    return build_engine(None, "cpu", "float32", SchedulerConfig(max_active_requests=1),
+                        CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights=decode_weights)
+
+
+def one_row_perplexity(engine, tokens: list[int]) -> float:
+    """Perplexity of ``tokens``, each position scored in a step of its own over the cached context."""
+    runner = engine.executor
+    nll = 0.0
+    with torch.inference_mode():
+        for position in range(len(tokens) - 1):
+            meta = AttentionMetadata(slot_mapping=torch.tensor([position]), num_decodes=1,
+                                     decode_slots=torch.arange(position + 1),
+                                     decode_mask=torch.ones(1, 1, 1, position + 1, dtype=torch.bool), prefills=[])
+            logits = runner.model(torch.tensor([tokens[position]]), torch.tensor([position]), runner.k_cache,
+                                  runner.v_cache, meta, torch.tensor([0]), runner.cos_table, runner.sin_table)
+            nll -= torch.log_softmax(logits[0], dim=-1)[tokens[position + 1]].item()
+    return math.exp(nll / (len(tokens) - 1))
+
+
+def greedy_continuations(engine) -> list[list[int]]:
+    for index, prompt in enumerate(PROMPTS):
+        engine.add_request(greedy_request(f"q{index}", engine.tokenizer.encode(prompt), NEW_TOKENS))
+    outputs = run_to_completion(engine)
+    return [output_tokens(outputs[f"q{index}"]) for index in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    results = {}
+    for decode_weights in ("float32", "bfloat16"):
+        engine = engine_with(decode_weights)
+        tokens = engine.tokenizer.encode(TEXT)
+        results[decode_weights] = (one_row_perplexity(engine, tokens), greedy_continuations(engine))
+        del engine
+    return results
+
+
+def test_bf16_decode_weights_keep_perplexity_within_two_percent(measured):
+    reference, candidate = measured["float32"][0], measured["bfloat16"][0]
+    print(f"perplexity: float32 {reference:.4f}, bf16 decode weights {candidate:.4f} "
+          f"({100 * (candidate / reference - 1):+.2f}%)")
+    assert reference < 60  # the text is ordinary English; a broken scorer would not get here
+    assert abs(candidate / reference - 1) <= 0.02
+
+
+@pytest.mark.xfail(strict=True, reason="bf16 decode weights keep about two thirds of the greedy tokens; "
+                                       "they stay an option until they keep 90%")
+def test_bf16_decode_weights_keep_ninety_percent_of_greedy_tokens(measured):
+    reference, candidate = measured["float32"][1], measured["bfloat16"][1]
+    assert all(len(tokens) == NEW_TOKENS for tokens in reference + candidate)
+    matching = sum(a == b for ref, cand in zip(reference, candidate) for a, b in zip(ref, cand))
+    share = matching / (NEW_TOKENS * len(PROMPTS))
+    print(f"greedy tokens matching float32: {share:.1%} ({sum(r == c for r, c in zip(reference, candidate))} of "
+          f"{len(PROMPTS)} continuations identical)")
+    assert share >= 0.90
