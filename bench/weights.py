@@ -1,0 +1,67 @@
+"""What each weight format costs a CPU decode step: every linear layer of the default model's shape
+(30 layers and the output head, each with its own weights, so nothing stays in cache), multiplied by
+1 to 16 rows, as oneDNN's packed fp32, bf16 through F.linear, and int8 through torch's int8 kernel.
+
+It sets `FEW_ROWS` (tandem/engine/model/llama.py): the most rows at which the bf16 copy beats packed
+fp32. Writes bench/results/weights.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# (out, in) of one SmolLM2-135M layer's fused projections: qkv, o, gate_up, down; then the output head.
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+
+
+def timed_ms(step, repeats: int) -> float:
+    step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return (time.perf_counter() - start) / repeats * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    shapes = LAYER * args.layers + [HEAD]
+    weights = [torch.randn(shape) * 0.02 for shape in shapes]
+    bf16 = [w.bfloat16() for w in weights]
+    scales = [w.abs().amax(1) / 127 for w in weights]
+    int8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
+    report = {"threads": args.threads, "weight_bytes_fp32": sum(w.numel() * 4 for w in weights), "ms_per_step": {}}
+    for rows in (1, 2, 4, 8, 16):
+        inputs = {size: torch.randn(rows, size) for size in {shape[1] for shape in shapes}}
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        formats = {
+            "fp32_packed": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[s[1]], w, None, "none", [], "")
+                                    for w, s in zip(packed, shapes)],
+            "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
+            "int8": lambda: [torch._weight_int8pack_mm(inputs[s[1]], w, scale) for w, s, scale in zip(int8, shapes, scales)],
+        }
+        report["ms_per_step"][rows] = {name: timed_ms(step, args.repeats) for name, step in formats.items()}
+        print(rows, "rows:", ", ".join(f"{name} {ms:.1f} ms" for name, ms in report["ms_per_step"][rows].items()), flush=True)
+        del packed
+    report["bf16_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
+                                            if ms["bf16"] < ms["fp32_packed"]), default=0)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "weights.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"bf16 faster than packed fp32 up to {report['bf16_faster_up_to_rows']} rows; wrote {RESULTS / 'weights.json'}")
+
+
+if __name__ == "__main__":
+    main()
