@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tandem.bench.results import percentile
-from tandem.engine.config import ENGINE_PRIORITIES, SchedulerConfig
+from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES, SchedulerConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.loader import resolve_model
@@ -84,7 +84,7 @@ async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: st
 
 
 async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
-                     priority: str = "batch", device: str = "cpu", dtype: str | None = None) -> dict:
+                     priority: str = DEFAULT_ENGINE_PRIORITY, device: str = "cpu", dtype: str | None = None) -> dict:
     engine = build_engine(model, device, dtype,
                           scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512))
     rates = engine.rates.rates()
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="warm tandem runs; the median is reported")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peers to run")
-    parser.add_argument("--engine-priority", choices=ENGINE_PRIORITIES, default="batch",
+    parser.add_argument("--engine-priority", choices=ENGINE_PRIORITIES, default=DEFAULT_ENGINE_PRIORITY,
                         help="the engine thread's scheduling, as the workers' --engine-priority")
     parser.add_argument("--device", default="cpu", help="torch device of Tandem and every peer: cpu, cuda, cuda:1")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import typing
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -92,43 +91,13 @@ def _bench_engine_priority(bench_engine) -> str | None:
 
 
 def tandem_precisions() -> dict[str, dict]:
-    """Every precision build_engine accepts on the CPU: its dtypes, and its weight formats if it has any."""
+    """Every precision build_engine offers on the CPU: its dtypes, and float32 with bf16 decode weights."""
     from tandem.engine.model import factory, runner
 
-    dtypes = [d for d in ("float32", "bfloat16") if d in runner.DTYPES]
-    options = {dtype: {"dtype": dtype} for dtype in dtypes}
+    options = {dtype: {"dtype": dtype} for dtype in ("float32", "bfloat16") if dtype in runner.DTYPES}
     if "decode_weights" in inspect.signature(factory.build_engine).parameters:
         options["float32+bf16-decode"] = {"dtype": "float32", "decode_weights": "bfloat16"}
-    parameter = inspect.signature(factory.build_engine).parameters.get("weights")
-    if parameter is not None:
-        for value in _accepted_values(parameter, factory):
-            if value in (None, "", "auto", parameter.default) or value in dtypes:
-                continue
-            options[str(value)] = {"dtype": "float32", "weights": value}
     return options
-
-
-def _accepted_values(parameter: inspect.Parameter, factory) -> list:
-    """The values a ``weights=`` parameter accepts: from a Literal annotation, else a module constant."""
-    annotation = parameter.annotation
-    if isinstance(annotation, str):
-        try:
-            annotation = typing.get_type_hints(factory.build_engine).get(parameter.name, annotation)
-        except Exception:
-            pass
-    values = [v for arg in typing.get_args(annotation) for v in (typing.get_args(arg) or [arg]) if isinstance(v, str)]
-    if values:
-        return values
-    import tandem.engine.model as package
-
-    for module_info in __import__("pkgutil").iter_modules(package.__path__):
-        module = importlib.import_module(f"tandem.engine.model.{module_info.name}")
-        for name, value in vars(module).items():
-            if name.isupper() and "WEIGHT" in name and isinstance(value, (tuple, list, dict, frozenset, set)):
-                candidates = [v for v in value if isinstance(v, str)]
-                if candidates:
-                    return candidates
-    return []
 
 
 def run_tandem(job: dict, precision: str) -> dict:
@@ -486,15 +455,15 @@ def agreement(results: dict) -> dict:
 
 
 def print_table(results: dict, speed: dict) -> None:
-    print(f"\n{'system':<11}{'precision':<11}{'burst tok/s':>12}{'makespan s':>12}{'single tok/s':>14}{'startup s':>11}")
+    print(f"\n{'system':<11}{'precision':<21}{'burst tok/s':>12}{'makespan s':>12}{'single tok/s':>14}{'startup s':>11}")
     for system, entries in results.items():
         for precision, r in entries.items():
             if not isinstance(r, dict):
                 continue
             if "error" in r:
-                print(f"{system:<11}{precision:<11}  failed: {r['error'][:80]}")
+                print(f"{system:<11}{precision:<21}  failed: {r['error'][:80]}")
                 continue
-            print(f"{system:<11}{precision:<11}{r['burst_output_tok_s']:>12.1f}{r['burst_makespan_s']:>12.2f}"
+            print(f"{system:<11}{precision:<21}{r['burst_output_tok_s']:>12.1f}{r['burst_makespan_s']:>12.2f}"
                   f"{r['single_stream_tok_s']:>14.1f}{r['startup_s']:>11.1f}")
     for name, entry in speed.items():
         if name == "matching_precision":

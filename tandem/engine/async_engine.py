@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from tandem.engine.config import ENGINE_PRIORITIES
+from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES
 from tandem.engine.engine import EngineState, LLMEngine, RequestOutput
 from tandem.engine.request import Request
 from tandem.engine.scheduler import SchedulerOutput
@@ -30,7 +30,7 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, on_failure: Callable[[str], None] | None = None,
-                 on_step: Callable[[SchedulerOutput], None] | None = None, priority: str = "normal"):
+                 on_step: Callable[[SchedulerOutput], None] | None = None, priority: str = DEFAULT_ENGINE_PRIORITY):
         """Args:
             engine: the engine to run.
             on_failure: called once, from the engine thread, with the reason when a model step fails.

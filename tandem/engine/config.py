@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # How the engine thread is scheduled: "batch" puts it in Linux's SCHED_BATCH class (see AsyncEngine).
+# "normal" by default: ahead of "batch" in four alternating pairs of bench-peers runs, with the router's
+# added TTFT no better under "batch" (README, `--engine-priority`).
 ENGINE_PRIORITIES = ("normal", "batch")
+DEFAULT_ENGINE_PRIORITY = "normal"
 # The weights that single-stream decode steps of a float32 CPU model read unless told otherwise (see
 # PackedLinear). "bfloat16" nearly doubles single-stream decode on AVX2 CPUs and keeps perplexity, but
 # changes too many greedy tokens to be the default (tests/engine/test_quality.py).

@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tandem.engine.config import DEFAULT_DECODE_WEIGHTS, ENGINE_PRIORITIES, CacheConfig, SchedulerConfig
+from tandem.engine.config import (
+    DEFAULT_DECODE_WEIGHTS,
+    DEFAULT_ENGINE_PRIORITY,
+    ENGINE_PRIORITIES,
+    CacheConfig,
+    SchedulerConfig,
+)
 from tandem.options import EnvArgumentParser, port_number, positive_float, positive_int
 from tandem.protocol import WORKER_KINDS
 from tandem.security import ServerTLS, add_server_tls_arguments, server_tls
@@ -31,7 +37,7 @@ class WorkerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     drain_grace_s: float = 30.0
-    engine_priority: str = "batch"
+    engine_priority: str = DEFAULT_ENGINE_PRIORITY
     max_message_bytes: int = 4 << 20
     metrics_port: int = 0
     tls: ServerTLS | None = None
@@ -76,9 +82,10 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="KV cache memory in GiB")
     parser.add_env_argument("--num-kv-blocks", "TANDEM_NUM_KV_BLOCKS", None, type=positive_int,
                             help="exact number of KV blocks (overrides --kv-cache-gib)")
-    parser.add_env_argument("--engine-priority", "TANDEM_ENGINE_PRIORITY", "batch", choices=list(ENGINE_PRIORITIES),
-                            help="batch: the engine thread runs in Linux's SCHED_BATCH class (measured no slower, "
-                                 "and faster in bench-engine here); normal: the default class")
+    parser.add_env_argument("--engine-priority", "TANDEM_ENGINE_PRIORITY", DEFAULT_ENGINE_PRIORITY,
+                            choices=list(ENGINE_PRIORITIES),
+                            help="normal: the default scheduling class; batch: the engine thread runs in Linux's "
+                                 "SCHED_BATCH class, for a host where measurement shows it helps")
     parser.add_env_argument("--drain-grace-s", "TANDEM_DRAIN_GRACE_S", 30.0, type=float,
                             help="seconds in-flight streams get to finish after SIGTERM")
     parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", 4 << 20, type=positive_int,
