@@ -235,9 +235,9 @@ class CausalLM(nn.Module):
 
 
 # Steps of at most this many rows (a single stream's decode) read the low-precision copy of the weights,
-# when there is one: there the multiply is bound by reading the weight, and bf16 halves the bytes (1.8x
-# faster over the default model's layers at one row, 1.4x at two, on AVX2); from four rows on, oneDNN's
-# packed fp32 kernel wins.
+# when there is one: there the multiply is bound by reading the weight, and bf16 halves the bytes (about
+# 2x faster over the default model's layers at one row, 1.25-1.4x at two, on AVX2: `make bench-weights`);
+# from four rows on, oneDNN's packed fp32 kernel wins.
 FEW_ROWS = 2
 
 
