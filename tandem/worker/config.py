@@ -67,7 +67,7 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
     parser.add_env_argument("--decode-weights", "TANDEM_DECODE_WEIGHTS", DEFAULT_DECODE_WEIGHTS,
                             choices=["float32", "bfloat16"],
                             help="float32 models on the CPU: the weights that single-stream decode steps read; bfloat16 "
-                                 "keeps a second, half-size copy for them (about 1.8x single-stream decode, 50%% more "
+                                 "keeps a second, half-size copy for them (about 1.5x single-stream decode here, 50%% more "
                                  "weight memory, perplexity kept but fewer greedy tokens identical to float32)")
     parser.add_env_argument("--threads", "TANDEM_THREADS", None, type=positive_int,
                             help="torch CPU threads (default: all cores)")
