@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import platform
@@ -84,20 +83,12 @@ def _load_bench_engine():
     return module
 
 
-def _bench_engine_priority(bench_engine) -> str | None:
-    """The engine thread's scheduling that bench/engine.py runs Tandem with, where it has that choice."""
-    parameter = inspect.signature(bench_engine.run_tandem).parameters.get("priority")
-    return parameter.default if parameter is not None and isinstance(parameter.default, str) else None
-
-
-def tandem_precisions() -> dict[str, dict]:
-    """Every precision build_engine offers on the CPU: its dtypes, and float32 with bf16 decode weights."""
-    from tandem.engine.model import factory, runner
-
-    options = {dtype: {"dtype": dtype} for dtype in ("float32", "bfloat16") if dtype in runner.DTYPES}
-    if "decode_weights" in inspect.signature(factory.build_engine).parameters:
-        options["float32+bf16-decode"] = {"dtype": "float32", "decode_weights": "bfloat16"}
-    return options
+# Tandem's precisions on the CPU: build_engine's options for each.
+TANDEM_PRECISIONS = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "float32+bf16-decode": {"dtype": "float32", "decode_weights": "bfloat16"},
+}
 
 
 def run_tandem(job: dict, precision: str) -> dict:
@@ -106,22 +97,21 @@ def run_tandem(job: dict, precision: str) -> dict:
     import torch
 
     from tandem.engine.async_engine import AsyncEngine
-    from tandem.engine.config import SchedulerConfig
+    from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, SchedulerConfig
     from tandem.engine.model.factory import build_engine
     from tandem.engine.request import Request, SamplingParams
 
     bench_engine = _load_bench_engine()
     torch.set_num_threads(job["threads"])
-    options = tandem_precisions()[precision]
+    options = TANDEM_PRECISIONS[precision]
     num_requests = len(job["bursts"][0])
-    if "calibrate" in inspect.signature(build_engine).parameters:
-        options = {**options, "calibrate": False}  # the step-time fit is not needed here
     start = time.perf_counter()
+    # calibrate=False: the step-time fit is not needed here.
     engine = build_engine(job["model_dir"], scheduler=SchedulerConfig(max_active_requests=num_requests,
-                                                                      max_num_batched_tokens=512), **options)
+                                                                      max_num_batched_tokens=512),
+                          calibrate=False, **options)
     startup = time.perf_counter() - start
-    priority = job.get("tandem_engine_priority") or _bench_engine_priority(bench_engine)
-    runner = AsyncEngine(engine, priority=priority) if priority else AsyncEngine(engine)
+    runner = AsyncEngine(engine, priority=job["tandem_engine_priority"] or DEFAULT_ENGINE_PRIORITY)
 
     async def single(prompt: list[int], tag: str) -> dict:
         start = time.perf_counter()
@@ -150,7 +140,7 @@ def run_tandem(job: dict, precision: str) -> dict:
     result["startup_s"] = startup
     result["settings"] = {**{k: str(v) for k, v in options.items()}, "max_active_requests": num_requests,
                           "max_num_batched_tokens": 512, "torch_threads": torch.get_num_threads(),
-                          "engine_priority": getattr(runner, "priority", None)}
+                          "engine_priority": runner.priority}
     result["versions"] = {"torch": torch.__version__, "python": platform.python_version()}
     return result
 
@@ -484,9 +474,10 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: the provisioned SmolLM2-135M-Instruct)")
     parser.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--threads", type=int, default=2, help="compute threads for every system")
-    parser.add_argument("--tandem-precisions", default=None, help="comma-separated (default: all build_engine accepts)")
+    parser.add_argument("--tandem-precisions", default=None,
+                        help="comma-separated, of " + ", ".join(TANDEM_PRECISIONS) + " (default: all)")
     parser.add_argument("--tandem-engine-priority", default=None,
-                        help="AsyncEngine's priority (default: bench/engine.py's)")
+                        help="AsyncEngine's priority (default: the workers' default)")
     parser.add_argument("--vllm-precisions", default=",".join(VLLM_DTYPES))
     parser.add_argument("--gguf-precisions", default=",".join(GGUF_PRECISIONS))
     parser.add_argument("--requests", type=int, default=8)
@@ -524,7 +515,7 @@ def main() -> None:
     plan: list[tuple[str, str, Path, dict[str, str]]] = []
     gguf_notes: dict = {}
     if "tandem" in systems:
-        precisions = args.tandem_precisions.split(",") if args.tandem_precisions else list(tandem_precisions())
+        precisions = args.tandem_precisions.split(",") if args.tandem_precisions else list(TANDEM_PRECISIONS)
         plan += [("tandem", p, Path(sys.executable), {}) for p in precisions]
     if "vllm_cpu" in systems:
         plan += [("vllm_cpu", p, peers_python, vllm_environment(args.threads)) for p in args.vllm_precisions.split(",") if p]

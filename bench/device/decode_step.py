@@ -65,7 +65,8 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     decode_steps(engine, 8, "warmup")
     on_cuda = args.device.startswith("cuda")
-    report = {"device": torch.cuda.get_device_name(args.device) if on_cuda else args.device, "dtype": str(runner.dtype), "weight_bytes": weight_bytes,
+    report = {"device": torch.cuda.get_device_name(args.device) if on_cuda else args.device,
+              "dtype": str(runner.dtype), "weight_bytes": weight_bytes,
               "ms_per_step": {batch: decode_steps(engine, batch, f"b{batch}") for batch in (1, 8, 64)}}
 
     from torch.profiler import ProfilerActivity, profile
