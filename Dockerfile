@@ -83,8 +83,13 @@ COPY gpu_worker gpu_worker
 RUN . /build/env \
  && python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/tandem/v1/*.proto \
  && pip install --no-deps .
+# provision converts the default model and builds the CPU kernels (tandem/engine/model/cpu_kernels.c)
+# into TANDEM_HOME, with a C compiler that only this stage has; a build that cannot install one gets
+# an image whose workers run decode steps on torch's own ops, and says so here.
 ENV TANDEM_HOME=/opt/tandem
-RUN python -m tandem.cli provision
+RUN (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null) \
+    || echo "build: no C compiler could be installed; the image goes without the CPU kernels"; \
+    python -m tandem.cli provision
 
 # Runtime stage: the virtual environment and the converted default model, nothing else (no wheels,
 # no certificates, no build settings).

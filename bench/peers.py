@@ -85,9 +85,9 @@ def _load_bench_engine():
 
 # Tandem's precisions on the CPU: build_engine's options for each.
 TANDEM_PRECISIONS = {
-    "float32": {"dtype": "float32"},
+    "float32": {"dtype": "float32", "decode_weights": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
-    "float32+bf16-decode": {"dtype": "float32", "decode_weights": "bfloat16"},
+    "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16"},
 }
 
 

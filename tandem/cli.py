@@ -37,7 +37,8 @@ def _run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: LLM serving across CPU and GPU workers")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    provision = commands.add_parser("provision", help="prepare a model's files (converts the default GGUF once)")
+    provision = commands.add_parser("provision", help="prepare a model's files (converts the default GGUF "
+                                      "once) and build the CPU kernels")
     provision.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: built-in)")
 
     up = commands.add_parser("up", help="start cpu_worker, gpu_worker and the router here; Ctrl-C stops them")
@@ -73,10 +74,12 @@ def _run(argv: list[str]) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "provision":
+        from tandem.engine.model import cpu_kernels
         from tandem.engine.model.loader import resolve_model
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         print(resolve_model(args.model))
+        cpu_kernels.load()
         return 0
     if args.command == "up":
         from tandem.engine.model.loader import tandem_home

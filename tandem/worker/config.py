@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from tandem.engine.config import (
+    DECODE_WEIGHTS,
     DEFAULT_DECODE_WEIGHTS,
     DEFAULT_ENGINE_PRIORITY,
     ENGINE_PRIORITIES,
@@ -65,10 +66,10 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
     parser.add_env_argument("--dtype", "TANDEM_DTYPE", "auto", choices=["auto", "float32", "float16", "bfloat16"],
                             help="weights and activations dtype")
     parser.add_env_argument("--decode-weights", "TANDEM_DECODE_WEIGHTS", DEFAULT_DECODE_WEIGHTS,
-                            choices=["float32", "bfloat16"],
-                            help="float32 models on the CPU: the weights that single-stream decode steps read; bfloat16 "
-                                 "keeps a second, half-size copy for them (about 1.5x single-stream decode here, 50%% more "
-                                 "weight memory, perplexity kept but fewer greedy tokens identical to float32)")
+                            choices=list(DECODE_WEIGHTS),
+                            help="float32 models on the CPU: the weights that decode steps (up to 8 rows) read; float16 "
+                                 "keeps a second, half-size copy for them, read by a kernel built on first use (AVX2 "
+                                 "CPUs with a C compiler; float32 elsewhere); float32 keeps none")
     parser.add_env_argument("--threads", "TANDEM_THREADS", None, type=positive_int,
                             help="torch CPU threads (default: all cores)")
     parser.add_env_argument("--max-active", "TANDEM_MAX_ACTIVE", 8, type=positive_int,

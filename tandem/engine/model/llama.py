@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.model.cpu_kernels import CpuKernels
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -24,15 +26,19 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class AttentionMetadata:
     """Where one step's tokens go in the cache and what each attends to.
 
-    Decode-like requests (one new token) come first in the flat batch and attend together through a
-    padded gather; each prefill chunk after them attends on its own.
+    Decode-like requests (one new token) come first in the flat batch and attend together: through the
+    CPU kernel, which reads the cache in place by block table, or else through a padded gather. Each
+    prefill chunk after them attends on its own.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes * max_context] context slots, padded
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] True where attended
+    decode_slots: torch.Tensor | None  # gather: [num_decodes * max_context] context slots, padded
+    decode_mask: torch.Tensor | None  # gather: [num_decodes, 1, 1, max_context] True where attended
     prefills: list["PrefillChunk"]
+    decode_block_tables: torch.Tensor | None = None  # kernel: [num_decodes, max_blocks] block ids, padded
+    decode_context_lens: torch.Tensor | None = None  # kernel: [num_decodes] positions attended
+    block_size: int = 0
 
 
 @dataclass
@@ -95,6 +101,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
+        self.cpu_kernels: CpuKernels | None = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -108,8 +115,11 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            n = meta.num_decodes
+        n = meta.num_decodes
+        if n and meta.decode_block_tables is not None:
+            out[:n] = self.cpu_kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                                        meta.decode_context_lens, meta.block_size, self.scale)
+        elif n:
             keys = k_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
             values = v_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
             out[:n] = F.scaled_dot_product_attention(
@@ -233,12 +243,27 @@ class CausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
+    def use_cpu_kernels(self, kernels: CpuKernels | None, f16_weights: bool) -> None:
+        """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN, and, with
+        ``kernels``, let decode attention run through them (where they take the head layout; the runner
+        then passes block tables) and, with ``f16_weights``, the linears of steps of few rows."""
+        for module in list(self.modules()):
+            for name, child in list(module.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(module, name, PackedLinear(child, kernels if f16_weights else None))
+                elif isinstance(child, Attention) and kernels is not None \
+                        and kernels.supports_attention(child.num_heads, child.num_kv_heads, child.head_dim):
+                    child.cpu_kernels = kernels
 
-# Steps of at most this many rows (a single stream's decode) read the low-precision copy of the weights,
-# when there is one: there the multiply is bound by reading the weight, and bf16 halves the bytes (about
-# 2x faster over the default model's layers at one row, 1.25-1.4x at two, on AVX2: `make bench-weights`);
-# from four rows on, oneDNN's packed fp32 kernel wins.
-FEW_ROWS = 2
+    @property
+    def uses_decode_attention_kernel(self) -> bool:
+        return self.layers[0].self_attn.cpu_kernels is not None
+
+
+# Steps of at most this many rows (the decodes of a batch of up to eight) read the float16 copy of the
+# weights, when there is one: the multiply is bound by reading the weights, and the float16 kernel reads
+# half the bytes (`make bench-weights`); from sixteen rows on, oneDNN's packed float32 kernel is as fast.
+FEW_ROWS = 8
 
 
 class PackedLinear(nn.Module):
@@ -247,26 +272,19 @@ class PackedLinear(nn.Module):
     A decode step multiplies every weight matrix by only a handful of rows. Plain BLAS repacks the
     weight on every call, which costs about as much as the multiply; the pre-reordered weight makes
     these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. With
-    ``few_rows_dtype``, steps of at most ``FEW_ROWS`` rows use a copy of the weight in that dtype.
+    ``f16_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a float16 copy of the weight through
+    their ``linear_f16`` instead, in float32 arithmetic.
     """
 
-    def __init__(self, linear: nn.Linear, few_rows_dtype: torch.dtype | None = None):
+    def __init__(self, linear: nn.Linear, f16_kernels: CpuKernels | None = None):
         super().__init__()
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.few_rows_weight = None if few_rows_dtype in (None, weight.dtype) else weight.to(few_rows_dtype)
+        self.f16_kernels = f16_kernels
+        self.f16_weight = None if f16_kernels is None else weight.to(torch.float16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows_weight is not None and x.shape[0] <= FEW_ROWS:
-            out = F.linear(x.to(self.few_rows_weight.dtype), self.few_rows_weight).to(x.dtype)
-            return out if self.bias is None else out + self.bias
+        if self.f16_kernels is not None and x.shape[0] <= FEW_ROWS:
+            return self.f16_kernels.linear_f16(x, self.f16_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def pack_linears_for_cpu(model: nn.Module, few_rows_dtype: torch.dtype | None = None) -> None:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear`` (fp32 on CPU with oneDNN only)."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, few_rows_dtype))

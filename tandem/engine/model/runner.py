@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.config import DEFAULT_DECODE_WEIGHTS, CacheConfig
-from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, pack_linears_for_cpu, rope_tables
+from tandem.engine.config import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, CacheConfig
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
 from tandem.engine.model.loader import load_tensors
 from tandem.engine.model.sampler import sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -42,9 +43,9 @@ class ModelRunner:
         cache: KV cache size.
         block_size: tokens per KV block (must match the scheduler's).
         max_model_len: context limit; defaults to the model's ``max_position_embeddings``.
-        decode_weights: for a float32 model on the CPU, the dtype of the weights that steps of one or two
-            rows (single-stream decode) read: "bfloat16" keeps a second, half-size copy for them;
-            "float32": none.
+        decode_weights: for a float32 model on the CPU, the weights that steps of few rows (decodes) read:
+            "float16" keeps a second, half-size copy for them, read by a float16 kernel in float32
+            arithmetic (float32 where that kernel cannot run here); "float32": none.
     """
 
     def __init__(
@@ -70,10 +71,15 @@ class ModelRunner:
             model = CausalLM(config)
         model.load_hf_state_dict(load_tensors(model_dir))
         self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        if decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}; got {decode_weights!r}")
         self.decode_dtype = self.dtype
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.decode_dtype = resolve_dtype(self.torch_device, decode_weights)
-            pack_linears_for_cpu(self.model, self.decode_dtype)
+            kernels = cpu_kernels.load()
+            f16_weights = kernels is not None and decode_weights == "float16"
+            if f16_weights:
+                self.decode_dtype = torch.float16
+            self.model.use_cpu_kernels(kernels, f16_weights)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
@@ -86,7 +92,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self.cos_table, self.sin_table = rope_tables(config, self.max_model_len, self.dtype, self.torch_device)
-        logger.info("model %s on %s (%s, %s for single-stream decode): %d KV blocks of %d tokens", model_dir, self.device,
+        logger.info("model %s on %s (%s, %s weights for decode steps): %d KV blocks of %d tokens", model_dir, self.device,
                     self.dtype, self.decode_dtype, self.num_kv_blocks, block_size)
 
     @torch.inference_mode()
@@ -116,7 +122,10 @@ class ModelRunner:
             decode_mask=None,
             prefills=[],
         )
-        if decodes:
+        if decodes and self.model.uses_decode_attention_kernel:
+            meta.decode_block_tables, meta.decode_context_lens = self._decode_block_tables(decodes)
+            meta.block_size = self.block_size
+        elif decodes:
             meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
         token_start = len(decodes)
         for item in prefills:
@@ -158,6 +167,13 @@ class ModelRunner:
         mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
         device = self.torch_device
         return slots.view(-1).to(device), mask[:, None, None, :].to(device)
+
+    def _decode_block_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = [item.start + 1 for item in decodes]
+        tables = [item.request.block_ids[:cdiv(length, self.block_size)] for item, length in zip(decodes, lengths)]
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        return torch.tensor(padded, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
 
     def _prefill_chunk(self, item: ScheduledRequest, token_start: int) -> PrefillChunk:
         if item.start == 0:

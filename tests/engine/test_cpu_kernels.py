@@ -1,0 +1,121 @@
+"""The CPU kernels (built here with the machine's C compiler, as a worker builds them) against torch's
+own ops, and PackedLinear: oneDNN's packed fp32 weight, and the float16 copy that steps of few rows read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.model import cpu_kernels
+from tandem.engine.model.llama import FEW_ROWS, PackedLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = cpu_kernels.load()
+    if built is None:
+        pytest.skip("the CPU kernels cannot run here (see the log for why)")
+    return built
+
+
+@torch.inference_mode()
+def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(kernels):
+    torch.manual_seed(0)
+    linear = nn.Linear(72, 45)
+    packed = PackedLinear(linear, kernels)
+    for rows in (1, 3, FEW_ROWS, FEW_ROWS + 1, 40):
+        x = torch.randn(rows, 72)
+        if rows <= FEW_ROWS:
+            expected = F.linear(x, linear.weight.half().float(), linear.bias)
+        else:
+            expected = linear(x)
+        torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+        assert packed(x).dtype == torch.float32
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows, width, outputs", [(1, 8, 1), (2, 13, 3), (5, 576, 7), (9, 1536, 64)])
+def test_linear_f16_computes_every_tile_and_remainder_in_float32(kernels, rows, width, outputs):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width).half(), torch.randn(outputs)
+    expected = F.linear(x.double(), weight.double(), bias.double()).float()
+    torch.testing.assert_close(kernels.linear_f16(x, weight, bias), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear_f16(x, weight, None), expected - bias, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_f16_names_what_it_was_given_wrong(kernels):
+    with pytest.raises(ValueError, match="float16 weight"):
+        kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 8), None)
+    with pytest.raises(ValueError, match="matching width"):
+        kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 16).half(), None)
+
+
+@torch.inference_mode()
+def test_without_a_float16_copy_every_step_reads_the_fp32_weight():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False)
+    packed = PackedLinear(linear)
+    assert packed.f16_weight is None
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def fresh_load():
+    cpu_kernels.load.cache_clear()
+    yield cpu_kernels.load
+    cpu_kernels.load.cache_clear()
+
+
+def test_a_machine_that_cannot_build_them_runs_on_torch_ops(kernels, fresh_load, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert fresh_load() is None
+    assert "could not build the CPU kernels" in caplog.text
+
+
+def test_a_library_built_ahead_loads_without_a_compiler(kernels, fresh_load, monkeypatch):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert fresh_load() is not None
+
+
+def reference_attention(q, k_cache, v_cache, tables, lengths, block_size):
+    outputs = []
+    for row, length in enumerate(lengths.tolist()):
+        slots = (tables[row][:, None] * block_size + torch.arange(block_size)).view(-1)[:length]
+        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+        outputs.append(F.scaled_dot_product_attention(q[row][:, None].double(), keys.double(), values.double(),
+                                                      enable_gqa=True).squeeze(1).float())
+    return torch.stack(outputs)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("heads, kv_heads, head_dim, lengths", [
+    (9, 3, 64, [1, 17, 600]),      # the default model's layout; one position, a block and one more, long
+    (4, 4, 32, [16, 33]),          # no grouping
+    (8, 1, 128, [5]),              # one key-value head for all
+])
+def test_decode_attention_reads_each_context_through_its_block_table(kernels, heads, kv_heads, head_dim, lengths):
+    torch.manual_seed(head_dim)
+    block_size, num_blocks = 16, 64
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim) * 2
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    width = max(-(-length // block_size) for length in lengths)
+    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in lengths])
+    lengths_tensor = torch.tensor(lengths)
+    q = torch.randn(len(lengths), heads, head_dim)
+    out = kernels.decode_attention(q, k_cache, v_cache, tables, lengths_tensor, block_size, head_dim ** -0.5)
+    expected = reference_attention(q, k_cache, v_cache, tables, lengths_tensor, block_size)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_decode_attention_refuses_a_layout_it_does_not_take(kernels):
+    assert not kernels.supports_attention(4, 4, 12)
+    with pytest.raises(ValueError, match="does not take 4 heads"):
+        kernels.decode_attention(torch.randn(1, 4, 12), torch.randn(16, 4, 12), torch.randn(16, 4, 12),
+                                 torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), 16, 0.3)
