@@ -1,9 +1,10 @@
 """What each weight format costs a CPU decode step: every linear layer of the default model's shape
 (30 layers and the output head, each with its own weights, so nothing stays in cache), multiplied by
-1 to 16 rows, as oneDNN's packed fp32, bf16 through F.linear, and int8 through torch's int8 kernel.
+1 to 32 rows, as oneDNN's packed fp32, float16 through Tandem's kernel (tandem/engine/model/cpu_kernels.c),
+bf16 through F.linear, and int8 through torch's int8 kernel.
 
-It sets `FEW_ROWS` (tandem/engine/model/llama.py): the most rows at which the bf16 copy beats packed
-fp32. Writes bench/results/weights.json.
+It sets `FEW_ROWS` (tandem/engine/model/llama.py): the most rows at which the float16 kernel beats
+packed fp32. Writes bench/results/weights.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from tandem.engine.model import cpu_kernels
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (out, in) of one SmolLM2-135M layer's fused projections: qkv, o, gate_up, down; then the output head.
@@ -38,29 +41,35 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the CPU kernels cannot run here (see the log above)")
     shapes = LAYER * args.layers + [HEAD]
     weights = [torch.randn(shape) * 0.02 for shape in shapes]
+    f16 = [kernels.pack_f16(w) for w in weights]
     bf16 = [w.bfloat16() for w in weights]
     scales = [w.abs().amax(1) / 127 for w in weights]
     int8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
     report = {"threads": args.threads, "weight_bytes_fp32": sum(w.numel() * 4 for w in weights), "ms_per_step": {}}
-    for rows in (1, 2, 4, 8, 16):
+    for rows in (1, 2, 4, 8, 16, 32):
         inputs = {size: torch.randn(rows, size) for size in {shape[1] for shape in shapes}}
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         formats = {
             "fp32_packed": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[s[1]], w, None, "none", [], "")
                                     for w, s in zip(packed, shapes)],
+            "f16_kernel": lambda: [kernels.linear_f16(inputs[s[1]], w, s[0], None) for w, s in zip(f16, shapes)],
             "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
             "int8": lambda: [torch._weight_int8pack_mm(inputs[s[1]], w, scale) for w, s, scale in zip(int8, shapes, scales)],
         }
         report["ms_per_step"][rows] = {name: timed_ms(step, args.repeats) for name, step in formats.items()}
         print(rows, "rows:", ", ".join(f"{name} {ms:.1f} ms" for name, ms in report["ms_per_step"][rows].items()), flush=True)
         del packed
-    report["bf16_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
-                                            if ms["bf16"] < ms["fp32_packed"]), default=0)
+    report["f16_kernel_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
+                                                  if ms["f16_kernel"] < ms["fp32_packed"]), default=0)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "weights.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"bf16 faster than packed fp32 up to {report['bf16_faster_up_to_rows']} rows; wrote {RESULTS / 'weights.json'}")
+    print(f"the float16 kernel is faster than packed fp32 up to {report['f16_kernel_faster_up_to_rows']} rows; "
+          f"wrote {RESULTS / 'weights.json'}")
 
 
 if __name__ == "__main__":

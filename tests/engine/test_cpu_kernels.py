@@ -25,7 +25,7 @@ def kernels():
 @torch.inference_mode()
 def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(kernels):
     torch.manual_seed(0)
-    linear = nn.Linear(72, 45)
+    linear = nn.Linear(72, 45)  # 45 outputs: the last tile padded
     packed = PackedLinear(linear, kernels)
     for rows in (1, 3, FEW_ROWS, FEW_ROWS + 1, 40):
         x = torch.randn(rows, 72)
@@ -38,20 +38,23 @@ def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(ke
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows, width, outputs", [(1, 8, 1), (2, 13, 3), (5, 576, 7), (9, 1536, 64)])
+@pytest.mark.parametrize("rows, width, outputs", [(1, 8, 1), (2, 16, 3), (5, 576, 7), (9, 1536, 64)])
 def test_linear_f16_computes_every_tile_and_remainder_in_float32(kernels, rows, width, outputs):
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width).half(), torch.randn(outputs)
+    packed = kernels.pack_f16(weight)
     expected = F.linear(x.double(), weight.double(), bias.double()).float()
-    torch.testing.assert_close(kernels.linear_f16(x, weight, bias), expected, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(kernels.linear_f16(x, weight, None), expected - bias, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear_f16(x, packed, outputs, bias), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear_f16(x, packed, outputs, None), expected - bias, rtol=1e-5, atol=1e-4)
 
 
 def test_linear_f16_names_what_it_was_given_wrong(kernels):
-    with pytest.raises(ValueError, match="float16 weight"):
-        kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 8), None)
+    with pytest.raises(ValueError, match="packed float16 weight"):
+        kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 8), 4, None)
     with pytest.raises(ValueError, match="matching width"):
-        kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 16).half(), None)
+        kernels.linear_f16(torch.randn(1, 8), kernels.pack_f16(torch.randn(4, 16)), 4, None)
+    with pytest.raises(ValueError, match="multiple of 8 wide"):
+        kernels.pack_f16(torch.randn(4, 12))
 
 
 @torch.inference_mode()
@@ -119,3 +122,62 @@ def test_decode_attention_refuses_a_layout_it_does_not_take(kernels):
     with pytest.raises(ValueError, match="does not take 4 heads"):
         kernels.decode_attention(torch.randn(1, 4, 12), torch.randn(16, 4, 12), torch.randn(16, 4, 12),
                                  torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), 16, 0.3)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 40])
+def test_rms_norm_adds_the_residual_in_place_and_normalizes_the_sum(kernels, rows):
+    torch.manual_seed(rows)
+    x, residual, weight = torch.randn(rows, 576), torch.randn(rows, 576), torch.randn(576)
+    total = x + residual
+
+    def norm(t):
+        return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    torch.testing.assert_close(kernels.rms_norm(x, None, weight, 1e-5), norm(x))
+    torch.testing.assert_close(kernels.rms_norm(x, residual, weight, 1e-5), norm(total))
+    torch.testing.assert_close(residual, total)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_rope_and_cache_rotates_queries_and_keys_and_writes_the_slots(kernels, tokens):
+    torch.manual_seed(tokens)
+    heads, kv_heads, head_dim, num_slots = 9, 3, 64, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    cos, sin = torch.randn(100, head_dim), torch.randn(100, head_dim)
+    positions, slots = torch.randint(0, 100, (tokens,)), torch.randperm(num_slots)[:tokens]
+    k_cache, v_cache = torch.zeros(num_slots, kv_heads, head_dim), torch.zeros(num_slots, kv_heads, head_dim)
+    q, k, v = (part.reshape(tokens, -1, head_dim) for part in qkv.split([576, 192, 192], dim=-1))
+    rows_cos, rows_sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rotate(t):
+        return t * rows_cos + torch.cat((-t[..., head_dim // 2:], t[..., :head_dim // 2]), dim=-1) * rows_sin
+
+    expected_q, expected_k = rotate(q), rotate(k)
+    kernels.rope_and_cache(qkv, heads, kv_heads, positions, cos, sin, slots, k_cache, v_cache)
+    rotated_q, rotated_k, kept_v = (part.reshape(tokens, -1, head_dim) for part in qkv.split([576, 192, 192], dim=-1))
+    torch.testing.assert_close(rotated_q, expected_q)
+    torch.testing.assert_close(rotated_k, expected_k)
+    torch.testing.assert_close(kept_v, v)
+    torch.testing.assert_close(k_cache[slots], expected_k)
+    torch.testing.assert_close(v_cache[slots], v)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows, size", [(1, 1536), (17, 13)])
+def test_silu_and_mul_matches_torch_over_the_whole_range(kernels, rows, size):
+    torch.manual_seed(size)
+    gate_up = torch.randn(rows, 2 * size) * 30  # far into both tails of the sigmoid
+    gate, up = gate_up.split(size, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-5)
+
+
+def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-5)

@@ -17,7 +17,15 @@
 #include <stdint.h>
 
 #define TILE_M 4
-#define TILE_N 2
+#define TILE_N 3
+
+static inline float horizontal_max(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
 
 static inline float horizontal_sum(__m256 v)
 {
@@ -27,56 +35,43 @@ static inline float horizontal_sum(__m256 v)
     return _mm_cvtss_f32(sum);
 }
 
-/* rows m of x (m < rows_m) against weight rows n (n < rows_n); both counts are constants at every
- * call site, so the accumulators stay in registers. */
+/* Weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of eight: [n / TILE_N][k / 8]
+ * [TILE_N][8], so the kernel reads the weight in one sequential stream (the hardware prefetcher keeps up
+ * with one stream, not with TILE_N short ones). The last tile is padded with zero rows. */
+int tandem_linear_f16_tile_rows(void)
+{
+    return TILE_N;
+}
+
+/* rows m < rows_m of x against one packed tile; rows_m is a constant at every call site, so the
+ * accumulators stay in registers. Writes the first `columns` of the tile's TILE_N outputs. */
 static inline __attribute__((always_inline)) void tile(
     const float *x, int64_t k_size, const uint16_t *w, const float *bias, float *y, int64_t ldy,
-    int rows_m, int rows_n)
+    int rows_m, int columns)
 {
     __m256 acc[TILE_M][TILE_N];
     for (int m = 0; m < rows_m; m++)
-        for (int n = 0; n < rows_n; n++)
+        for (int n = 0; n < TILE_N; n++)
             acc[m][n] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= k_size; k += 8) {
+    for (int64_t k = 0; k < k_size; k += 8) {
         __m256 wv[TILE_N];
-        for (int n = 0; n < rows_n; n++)
-            wv[n] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + n * k_size + k)));
+        for (int n = 0; n < TILE_N; n++)
+            wv[n] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k * TILE_N + n * 8)));
         for (int m = 0; m < rows_m; m++) {
             __m256 xv = _mm256_loadu_ps(x + m * k_size + k);
-            for (int n = 0; n < rows_n; n++)
+            for (int n = 0; n < TILE_N; n++)
                 acc[m][n] = _mm256_fmadd_ps(wv[n], xv, acc[m][n]);
         }
     }
     for (int m = 0; m < rows_m; m++)
-        for (int n = 0; n < rows_n; n++) {
+        for (int n = 0; n < columns; n++) {
             float sum = horizontal_sum(acc[m][n]);
-            for (int64_t tail = k; tail < k_size; tail++)
-                sum += x[m * k_size + tail] * _cvtsh_ss(w[n * k_size + tail]);
             y[m * ldy + n] = bias ? sum + bias[n] : sum;
         }
 }
 
-static void rows_against_tile(const float *x, int64_t rows, int64_t k_size, const uint16_t *w,
-                              const float *bias, float *y, int64_t ldy, int rows_n)
-{
-    int64_t m = 0;
-    for (; m + TILE_M <= rows; m += TILE_M) {
-        if (rows_n == TILE_N)
-            tile(x + m * k_size, k_size, w, bias, y + m * ldy, ldy, TILE_M, TILE_N);
-        else
-            tile(x + m * k_size, k_size, w, bias, y + m * ldy, ldy, TILE_M, 1);
-    }
-    for (; m < rows; m++) {
-        if (rows_n == TILE_N)
-            tile(x + m * k_size, k_size, w, bias, y + m * ldy, ldy, 1, TILE_N);
-        else
-            tile(x + m * k_size, k_size, w, bias, y + m * ldy, ldy, 1, 1);
-    }
-}
-
-/* x [rows, k_size] float32, w [n_size, k_size] float16 bits, bias [n_size] float32 or NULL,
- * y [rows, n_size] float32; all contiguous. */
+/* x [rows, k_size] float32 (k_size a multiple of 8), w packed as above from [n_size, k_size] float16
+ * bits, bias [n_size] float32 or NULL, y [rows, n_size] float32; all contiguous. */
 void tandem_linear_f16(const float *x, int64_t rows, int64_t k_size, const uint16_t *w, int64_t n_size,
                        const float *bias, float *y, int threads)
 {
@@ -84,10 +79,14 @@ void tandem_linear_f16(const float *x, int64_t rows, int64_t k_size, const uint1
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++) {
         int64_t n = t * TILE_N;
-        int rows_n = n_size - n >= TILE_N ? TILE_N : 1;
-        for (int64_t part = n; part < n + TILE_N && part < n_size; part += rows_n)
-            rows_against_tile(x, rows, k_size, w + part * k_size, bias ? bias + part : 0, y + part, n_size,
-                              rows_n);
+        int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
+        const uint16_t *wt = w + n * k_size;
+        const float *bt = bias ? bias + n : 0;
+        int64_t m = 0;
+        for (; m + TILE_M <= rows; m += TILE_M)
+            tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, TILE_M, columns);
+        for (; m < rows; m++)
+            tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, 1, columns);
     }
 }
 
@@ -115,17 +114,56 @@ static inline __m256 exp_nonpositive(__m256 x)
 #define MAX_HEAD_DIM 256
 #define BLOCK_CHUNK 16 /* tokens scored at once */
 
-static float dot(const float *a, const float *b, int64_t size)
+/* The eight sums of a[0..7], as one vector. */
+static inline __m256 horizontal_sums(const __m256 a[8])
 {
-    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= size; i += 16) {
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
-        odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), odd);
+    __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+/* q · keys[t] for eight keys (a key past the context repeats the last one; its score is masked). */
+static inline __m256 dot8(const float *q, const float *const keys[8], int64_t head_dim)
+{
+    __m256 acc[8];
+    for (int t = 0; t < 8; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        for (int t = 0; t < 8; t++)
+            acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t] + d), acc[t]);
     }
-    for (; i < size; i += 8)
-        even = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), even);
-    return horizontal_sum(_mm256_add_ps(even, odd));
+    return horizontal_sums(acc);
+}
+
+/* acc[h] = acc[h] · corrections[h] + Σ_t scores[h][t] · values[t] for `heads` query heads (a constant at
+ * each call site): every value row is loaded once for all of them, 32 dimensions at a time. */
+static inline __attribute__((always_inline)) void accumulate_values(
+    float (*acc)[MAX_HEAD_DIM], float (*scores)[BLOCK_CHUNK], const float *corrections,
+    const float *const values[BLOCK_CHUNK], int count, int64_t head_dim, int heads)
+{
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        int lanes = head_dim - d >= 32 ? 4 : (int)(head_dim - d) / 8;
+        __m256 a[3][4];
+        for (int h = 0; h < heads; h++) {
+            __m256 correction = _mm256_set1_ps(corrections[h]);
+            for (int l = 0; l < lanes; l++)
+                a[h][l] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + d + 8 * l), correction);
+        }
+        for (int t = 0; t < count; t++) {
+            __m256 p[3];
+            for (int h = 0; h < heads; h++)
+                p[h] = _mm256_broadcast_ss(&scores[h][t]);
+            for (int l = 0; l < lanes; l++) {
+                __m256 v = _mm256_loadu_ps(values[t] + d + 8 * l);
+                for (int h = 0; h < heads; h++)
+                    a[h][l] = _mm256_fmadd_ps(p[h], v, a[h][l]);
+            }
+        }
+        for (int h = 0; h < heads; h++)
+            for (int l = 0; l < lanes; l++)
+                _mm256_storeu_ps(acc[h] + d + 8 * l, a[h][l]);
+    }
 }
 
 /* The query heads [first_head, first_head + group) of one sequence, all reading key-value head kv_head. */
@@ -135,7 +173,8 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 {
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float running_max[MAX_GROUP], running_sum[MAX_GROUP];
-    float scores[MAX_GROUP][BLOCK_CHUNK];
+    float scores[MAX_GROUP][BLOCK_CHUNK], corrections[MAX_GROUP];
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     for (int g = 0; g < group; g++) {
         running_max[g] = -INFINITY;
         running_sum[g] = 0.0f;
@@ -145,21 +184,24 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     for (int64_t start = 0; start < context_len; start += BLOCK_CHUNK) {
         int count = context_len - start < BLOCK_CHUNK ? (int)(context_len - start) : BLOCK_CHUNK;
         const float *keys[BLOCK_CHUNK], *values[BLOCK_CHUNK];
-        for (int t = 0; t < count; t++) {
-            int64_t position = start + t;
+        for (int t = 0; t < BLOCK_CHUNK; t++) {
+            int64_t position = start + (t < count ? t : count - 1);
             int64_t slot = block_table[position / block_size] * block_size + position % block_size;
             keys[t] = k_cache + slot * kv_stride + kv_head * head_dim;
             values[t] = v_cache + slot * kv_stride + kv_head * head_dim;
         }
+        __m256 scale_vector = _mm256_set1_ps(scale), past = _mm256_set1_ps(-INFINITY);
         for (int g = 0; g < group; g++) {
-            float chunk_max = running_max[g];
-            for (int t = 0; t < count; t++) {
-                scores[g][t] = dot(q + g * head_dim, keys[t], head_dim) * scale;
-                if (scores[g][t] > chunk_max)
-                    chunk_max = scores[g][t];
+            __m256 chunk_maximum = _mm256_set1_ps(running_max[g]);
+            for (int t = 0; t < BLOCK_CHUNK; t += 8) {
+                __m256 score = _mm256_mul_ps(dot8(q + g * head_dim, keys + t, head_dim), scale_vector);
+                __m256 inside = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)t), lane_index),
+                                              _mm256_set1_ps((float)count), _CMP_LT_OQ);
+                score = _mm256_blendv_ps(past, score, inside);
+                _mm256_storeu_ps(scores[g] + t, score);
+                chunk_maximum = _mm256_max_ps(chunk_maximum, score);
             }
-            for (int t = count; t < BLOCK_CHUNK; t++)
-                scores[g][t] = -INFINITY;
+            float chunk_max = horizontal_max(chunk_maximum);
             float correction = running_max[g] == -INFINITY ? 0.0f : expf(running_max[g] - chunk_max);
             running_max[g] = chunk_max;
             __m256 total = _mm256_setzero_ps(), maximum = _mm256_set1_ps(chunk_max);
@@ -169,14 +211,13 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
                 total = _mm256_add_ps(total, p);
             }
             running_sum[g] = running_sum[g] * correction + horizontal_sum(total);
-            __m256 scale_acc = _mm256_set1_ps(correction);
-            for (int64_t d = 0; d < head_dim; d += 8) {
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), scale_acc);
-                for (int t = 0; t < count; t++)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(scores[g][t]), _mm256_loadu_ps(values[t] + d), a);
-                _mm256_storeu_ps(acc[g] + d, a);
-            }
+            corrections[g] = correction;
         }
+        int g = 0;
+        for (; g + 3 <= group; g += 3)
+            accumulate_values(acc + g, scores + g, corrections + g, values, count, head_dim, 3);
+        for (; g < group; g++)
+            accumulate_values(acc + g, scores + g, corrections + g, values, count, head_dim, 1);
     }
     for (int g = 0; g < group; g++) {
         __m256 inverse = _mm256_set1_ps(1.0f / running_sum[g]);
@@ -206,4 +247,76 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
                num_kv_heads * head_dim, kv_head, (int)group, head_dim, scale, out + offset);
     }
     return 0;
+}
+
+/* out[r] = weight ⊙ x[r] / sqrt(mean(x[r]²) + eps) for x [rows, size]. With residual (not NULL):
+ * residual[r] += x[r] first, and the sum is what is normalized. */
+void tandem_rms_norm(const float *x, float *residual, const float *weight, int64_t rows, int64_t size, float eps,
+                     float *out, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * size;
+        if (residual) {
+            float *sum = residual + r * size;
+            for (int64_t i = 0; i < size; i++)
+                sum[i] += row[i];
+            row = sum;
+        }
+        float squares = 0.0f;
+        for (int64_t i = 0; i < size; i++)
+            squares += row[i] * row[i];
+        float inverse = 1.0f / sqrtf(squares / size + eps);
+        for (int64_t i = 0; i < size; i++)
+            out[r * size + i] = weight[i] * (row[i] * inverse);
+    }
+}
+
+/* qkv [tokens, (heads + 2 kv_heads) · head_dim], a fused projection's rows: rotates the query and key
+ * heads in place (the rotate-half form, cos and sin tables [positions, head_dim]) and writes each
+ * token's keys and values to its cache slot (caches [slots, kv_heads, head_dim], one layer). */
+void tandem_rope_and_cache(float *qkv, int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           const int64_t *positions, const float *cos_table, const float *sin_table,
+                           const int64_t *slot_mapping, float *k_cache, float *v_cache, int threads)
+{
+    int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
+    int64_t stride = (num_heads + 2 * num_kv_heads) * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        float *row = qkv + t * stride;
+        const float *cos = cos_table + positions[t] * head_dim, *sin = sin_table + positions[t] * head_dim;
+        for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
+            float *head = row + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                float first = head[i], second = head[i + half];
+                head[i] = first * cos[i] - second * sin[i];
+                head[i + half] = second * cos[i + half] + first * sin[i + half];
+            }
+        }
+        float *keys = row + num_heads * head_dim;
+        for (int64_t i = 0; i < kv_size; i++) {
+            k_cache[slot_mapping[t] * kv_size + i] = keys[i];
+            v_cache[slot_mapping[t] * kv_size + i] = keys[kv_size + i];
+        }
+    }
+}
+
+/* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row). */
+void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float *out, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * size, *up = gate + size;
+        int64_t i = 0;
+        for (; i + 8 <= size; i += 8) {
+            __m256 g = _mm256_loadu_ps(gate + i);
+            /* sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below */
+            __m256 e = exp_nonpositive(_mm256_or_ps(_mm256_set1_ps(-0.0f), g));
+            __m256 one = _mm256_set1_ps(1.0f);
+            __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out + r * size + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+        }
+        for (; i < size; i++)
+            out[r * size + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
 }

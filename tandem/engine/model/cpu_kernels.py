@@ -1,7 +1,9 @@
 """CPU kernels for the decode steps of a float32 model (``cpu_kernels.c``), built on first use.
 
 - ``linear_f16``: rows times a float16 weight, in float32 arithmetic (half the bytes of a float32 weight);
-- ``decode_attention``: one query per sequence against its context, read in place from the paged cache.
+- ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
+- ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
+  torch's ops take several, the dispatch of which dominates a decode step's non-matmul time.
 
 The C source ships with the package. It is compiled with the system C compiler into
 ``$TANDEM_HOME/kernels`` once per source and flags (``tandem provision`` does it ahead of time, so a
@@ -41,19 +43,40 @@ class CpuKernels:
         self._linear_f16 = c.tandem_linear_f16
         self._linear_f16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
         self._linear_f16.restype = None
+        self.tile_rows = c.tandem_linear_f16_tile_rows()
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
+        self._rms_norm = c.tandem_rms_norm
+        self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+        self._rms_norm.restype = None
+        self._rope_and_cache = c.tandem_rope_and_cache
+        self._rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+        self._rope_and_cache.restype = None
+        self._silu_and_mul = c.tandem_silu_and_mul
+        self._silu_and_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+        self._silu_and_mul.restype = None
 
-    def linear_f16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and a float16 ``weight`` [n, k]."""
-        if x.dtype != torch.float32 or weight.dtype != torch.float16 or x.shape[-1] != weight.shape[1]:
-            raise ValueError(f"linear_f16 needs float32 rows and a float16 weight of matching width, got "
-                             f"{x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")
+    def pack_f16(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [n, k] (k a multiple of 8) as float16 in the tiled layout ``linear_f16`` reads."""
+        rows, width = weight.shape
+        if width % 8:
+            raise ValueError(f"pack_f16 needs a weight whose rows are a multiple of 8 wide, got {width}")
+        padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width, dtype=torch.float16)
+        padded[:rows] = weight
+        return padded.view(-1, self.tile_rows, width // 8, 8).transpose(1, 2).contiguous()
+
+    def linear_f16(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``packed = pack_f16(weight)``."""
+        if x.dtype != torch.float32 or packed.dtype != torch.float16 or x.shape[-1] != packed.shape[1] * 8 \
+                or out_features > packed.shape[0] * self.tile_rows:
+            raise ValueError(f"linear_f16 needs float32 rows and a packed float16 weight of matching width, got "
+                             f"{x.dtype} {tuple(x.shape)} and {packed.dtype} {tuple(packed.shape)}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-        self._linear_f16(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        self._linear_f16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
                          None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
@@ -78,11 +101,51 @@ class CpuKernels:
                              f"heads of size {head_dim}")
         return out
 
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` [rows, size]; with ``residual``, ``residual += x`` first (in place)
+        and the sum is normalized."""
+        _check_float32(x, weight, *(() if residual is None else (residual,)))
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                       x.shape[0], x.shape[1], eps, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rope_and_cache(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                       cos_table: torch.Tensor, sin_table: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Rotate the query and key heads of the fused projection ``qkv`` [tokens, (heads + 2 kv_heads) ·
+        head_dim] in place, and write each token's keys and values to its slot of one layer's caches."""
+        head_dim = cos_table.shape[1]
+        _check_float32(qkv, cos_table, sin_table, k_cache, v_cache)
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or positions.dtype != torch.int64 \
+                or slot_mapping.dtype != torch.int64 or not len(positions) == len(qkv) == len(slot_mapping):
+            raise ValueError("rope_and_cache needs a fused projection of the heads' width and int64 positions and "
+                             "slots, one per token")
+        self._rope_and_cache(qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, positions.data_ptr(),
+                             cos_table.data_ptr(), sin_table.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
+                             v_cache.data_ptr(), torch.get_num_threads())
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` [rows, 2 · size], gate then up in each row."""
+        _check_float32(gate_up)
+        rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, size, dtype=torch.float32)
+        self._silu_and_mul(gate_up.data_ptr(), rows, size, out.data_ptr(), torch.get_num_threads())
+        return out
+
     @staticmethod
     def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``decode_attention`` takes this head layout (see ``tandem_decode_attention``)."""
         return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 \
             and num_heads // num_kv_heads <= 16
+
+
+def _check_float32(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"the CPU kernels take contiguous float32 CPU tensors, got {tensor.dtype} "
+                             f"{tuple(tensor.shape)} on {tensor.device}")
 
 
 @functools.cache

@@ -54,12 +54,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.cpu_kernels: CpuKernels | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalized ``x + residual`` (``x`` without one), and that sum: the next residual."""
+        if self.cpu_kernels is not None:
+            if residual is None:
+                return self.cpu_kernels.rms_norm(x, None, self.weight, self.eps), x
+            return self.cpu_kernels.rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is not None:
+            x = x + residual
         dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        normed = x.to(torch.float32)
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(dtype), x
 
 
 def rope_tables(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,16 +111,20 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.cpu_kernels: CpuKernels | None = None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """``cos``, ``sin``: with the CPU kernels, the whole tables [positions, head_dim], which the kernel
+        indexes; without, each token's rows [tokens, 1, head_dim]."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        qkv = self.qkv_proj(x)
+        if self.cpu_kernels is not None:
+            self.cpu_kernels.rope_and_cache(qkv, self.num_heads, self.num_kv_heads, positions, cos, sin,
+                                            meta.slot_mapping, k_cache, v_cache)
+        q, k, v = (part.view(num_tokens, -1, self.head_dim) for part in qkv.split(self.split, dim=-1))
+        if self.cpu_kernels is None:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         n = meta.num_decodes
@@ -156,9 +168,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.cpu_kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.cpu_kernels is not None:
+            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -170,9 +186,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, cos, sin, k_cache, v_cache, meta):
+        """This layer's output and the residual stream before it: their sum is the hidden state."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos, sin, k_cache, v_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -208,12 +227,16 @@ class CausalLM(nn.Module):
             input_ids, positions: [num_tokens] the step's new tokens and their positions.
             k_cache, v_cache: [num_layers, num_slots, num_kv_heads, head_dim].
         """
-        x = self.embed_tokens(input_ids)
-        cos = cos_table.index_select(0, positions).unsqueeze(1)
-        sin = sin_table.index_select(0, positions).unsqueeze(1)
+        x, residual = self.embed_tokens(input_ids), None
+        if self.uses_cpu_kernels:
+            cos, sin = cos_table, sin_table
+        else:
+            cos = cos_table.index_select(0, positions).unsqueeze(1)
+            sin = sin_table.index_select(0, positions).unsqueeze(1)
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[index], v_cache[index], meta)
-        return self.lm_head(self.norm(x.index_select(0, logits_indices)))
+            x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta)
+        hidden = (x + residual).index_select(0, logits_indices)
+        return self.lm_head(self.norm(hidden)[0])
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face checkpoint's tensors, fusing q/k/v and gate/up projections."""
@@ -245,25 +268,28 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, f16_weights: bool) -> None:
         """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN, and, with
-        ``kernels``, let decode attention run through them (where they take the head layout; the runner
-        then passes block tables) and, with ``f16_weights``, the linears of steps of few rows."""
+        ``kernels`` that take this model's head layout, run norms, rotary embeddings, cache writes,
+        activations and decode attention (the runner then passes block tables) through them, and, with
+        ``f16_weights``, the linears of steps of few rows."""
+        usable = kernels is not None and kernels.supports_attention(
+            self.config.num_attention_heads, self.config.num_key_value_heads, self.layers[0].self_attn.head_dim)
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(module, name, PackedLinear(child, kernels if f16_weights else None))
-                elif isinstance(child, Attention) and kernels is not None \
-                        and kernels.supports_attention(child.num_heads, child.num_kv_heads, child.head_dim):
-                    child.cpu_kernels = kernels
+                    f16 = usable and f16_weights and child.in_features % 8 == 0
+                    setattr(module, name, PackedLinear(child, kernels if f16 else None))
+            if usable and isinstance(module, (RMSNorm, Attention, MLP)):
+                module.cpu_kernels = kernels
 
     @property
-    def uses_decode_attention_kernel(self) -> bool:
-        return self.layers[0].self_attn.cpu_kernels is not None
+    def uses_cpu_kernels(self) -> bool:
+        return self.norm.cpu_kernels is not None
 
 
-# Steps of at most this many rows (the decodes of a batch of up to eight) read the float16 copy of the
-# weights, when there is one: the multiply is bound by reading the weights, and the float16 kernel reads
-# half the bytes (`make bench-weights`); from sixteen rows on, oneDNN's packed float32 kernel is as fast.
-FEW_ROWS = 8
+# Steps of at most this many rows (decodes, short prompts) read the float16 copy of the weights, when
+# there is one: up to here the multiply is bound by reading the weights, and the float16 kernel reads
+# half the bytes; beyond, oneDNN's packed float32 kernel catches up (`make bench-weights`).
+FEW_ROWS = 32
 
 
 class PackedLinear(nn.Module):
@@ -281,10 +307,11 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.out_features = linear.out_features
         self.f16_kernels = f16_kernels
-        self.f16_weight = None if f16_kernels is None else weight.to(torch.float16)
+        self.f16_weight = None if f16_kernels is None else f16_kernels.pack_f16(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.f16_kernels is not None and x.shape[0] <= FEW_ROWS:
-            return self.f16_kernels.linear_f16(x, self.f16_weight, self.bias)
+            return self.f16_kernels.linear_f16(x, self.f16_weight, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

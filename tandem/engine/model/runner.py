@@ -76,10 +76,9 @@ class ModelRunner:
         self.decode_dtype = self.dtype
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
-            f16_weights = kernels is not None and decode_weights == "float16"
-            if f16_weights:
+            self.model.use_cpu_kernels(kernels, decode_weights == "float16")
+            if self.model.uses_cpu_kernels and decode_weights == "float16":
                 self.decode_dtype = torch.float16
-            self.model.use_cpu_kernels(kernels, f16_weights)
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
@@ -122,7 +121,7 @@ class ModelRunner:
             decode_mask=None,
             prefills=[],
         )
-        if decodes and self.model.uses_decode_attention_kernel:
+        if decodes and self.model.uses_cpu_kernels:
             meta.decode_block_tables, meta.decode_context_lens = self._decode_block_tables(decodes)
             meta.block_size = self.block_size
         elif decodes:
