@@ -143,7 +143,7 @@ class CpuKernels:
 
 def _check_float32(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
-        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        if tensor.dtype is not torch.float32 or not tensor.is_contiguous() or not tensor.is_cpu:
             raise ValueError(f"the CPU kernels take contiguous float32 CPU tensors, got {tensor.dtype} "
                              f"{tuple(tensor.shape)} on {tensor.device}")
 
