@@ -38,8 +38,8 @@ RESULTS = BENCH / "results"
 SYSTEMS = ("tandem", "vllm_cpu", "llama_cpp")
 VLLM_DTYPES = ("float32", "bfloat16")
 # GGUF precisions for llama.cpp: the shipped Q4_1 file, and conversions of the served model directory.
-GGUF_CONVERTED = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
-GGUF_PRECISIONS = ("F32", "BF16", "Q8_0", "Q4_1")
+GGUF_CONVERTED = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}
+GGUF_PRECISIONS = ("F32", "F16", "BF16", "Q8_0", "Q4_1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,7 +413,8 @@ def speedups(results: dict) -> dict:
             out[f"vs_{peer}"] = entry
     matching: dict = {}
     pairs = [("float32", "vllm_cpu", "float32"), ("bfloat16", "vllm_cpu", "bfloat16"),
-             ("float32", "llama_cpp", "F32"), ("bfloat16", "llama_cpp", "BF16")]
+             ("float32", "llama_cpp", "F32"), ("float32+f16-decode", "llama_cpp", "F16"),
+             ("bfloat16", "llama_cpp", "BF16")]
     pairs += [(p, "llama_cpp", "Q8_0") for p in tandem if "int8" in p or "q8" in p.lower()]
     pairs += [(p, "llama_cpp", "Q4_1") for p in tandem if "int4" in p or "q4" in p.lower()]
     for t_prec, peer, p_prec in pairs:
