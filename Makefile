@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router bench-weights bench-peers soak compose-test clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router bench-weights bench-step bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -48,9 +48,13 @@ bench-seed: setup
 bench-router: setup
 	$(PY) bench/router.py
 
-# Each weight format's cost per decode step at 1 to 16 rows: bench/results/weights.json.
+# Each weight format's cost per decode step at 1 to 32 rows: bench/results/weights.json.
 bench-weights: setup
 	$(PY) bench/weights.py
+
+# A CPU decode step's time against the weight-read floor, by part: bench/results/step-budget.json.
+bench-step: setup
+	$(PY) bench/step_budget.py
 
 # Tandem against vLLM's CPU backend and llama.cpp (not part of `make test`): bench/results/peers.json.
 # The peers live in their own environment; llama-cpp-python builds from its source archive, which
