@@ -184,15 +184,11 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     for (int64_t start = 0; start < context_len; start += BLOCK_CHUNK) {
         int count = context_len - start < BLOCK_CHUNK ? (int)(context_len - start) : BLOCK_CHUNK;
         const float *keys[BLOCK_CHUNK], *values[BLOCK_CHUNK];
-        int64_t block = start / block_size, offset = start % block_size;
         for (int t = 0; t < BLOCK_CHUNK; t++) {
-            int64_t slot = block_table[block] * block_size + offset;
+            int64_t position = start + (t < count ? t : count - 1);
+            int64_t slot = block_table[position / block_size] * block_size + position % block_size;
             keys[t] = k_cache + slot * kv_stride + kv_head * head_dim;
             values[t] = v_cache + slot * kv_stride + kv_head * head_dim;
-            if (t + 1 < count && ++offset == block_size) {  /* past the context: repeat the last key */
-                block++;
-                offset = 0;
-            }
         }
         __m256 scale_vector = _mm256_set1_ps(scale), past = _mm256_set1_ps(-INFINITY);
         for (int g = 0; g < group; g++) {
@@ -245,9 +241,7 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
     int64_t items = num_seqs * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; item++) {
-        /* head-major: a thread's consecutive items read the same head's keys and values, so a prefix
-         * that the sequences share stays in its cache */
-        int64_t kv_head = item / num_seqs, seq = item % num_seqs;
+        int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
         int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
         attend(q + offset, k_cache, v_cache, block_tables + seq * max_blocks, context_lens[seq], block_size,
                num_kv_heads * head_dim, kv_head, (int)group, head_dim, scale, out + offset);
