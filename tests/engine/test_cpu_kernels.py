@@ -87,10 +87,10 @@ def test_a_library_built_ahead_loads_without_a_compiler(kernels, fresh_load, mon
     assert fresh_load() is not None
 
 
-def reference_attention(q, k_cache, v_cache, tables, lengths, block_size):
+def reference_attention(q, k_cache, v_cache, rows, lengths, block_size):
     outputs = []
-    for row, length in enumerate(lengths.tolist()):
-        slots = (tables[row][:, None] * block_size + torch.arange(block_size)).view(-1)[:length]
+    for row, length in enumerate(lengths):
+        slots = (rows[row][:, None] * block_size + torch.arange(block_size)).view(-1)[:length]
         keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
         outputs.append(F.scaled_dot_product_attention(q[row][:, None].double(), keys.double(), values.double(),
                                                       enable_gqa=True).squeeze(1).float())
@@ -108,12 +108,11 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
     block_size, num_blocks = 16, 64
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim) * 2
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
-    width = max(-(-length // block_size) for length in lengths)
-    tables = torch.stack([torch.randperm(num_blocks)[:width] for _ in lengths])
-    lengths_tensor = torch.tensor(lengths)
+    rows = [torch.randperm(num_blocks)[:-(-length // block_size)] for length in lengths]  # each its own length
     q = torch.randn(len(lengths), heads, head_dim)
-    out = kernels.decode_attention(q, k_cache, v_cache, tables, lengths_tensor, block_size, head_dim ** -0.5)
-    expected = reference_attention(q, k_cache, v_cache, tables, lengths_tensor, block_size)
+    block_tables = cpu_kernels.BlockTables(rows, lengths, block_size)
+    out = kernels.decode_attention(q, k_cache, v_cache, block_tables, block_size, head_dim ** -0.5)
+    expected = reference_attention(q, k_cache, v_cache, rows, lengths, block_size)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
 
 
@@ -121,7 +120,14 @@ def test_decode_attention_refuses_a_layout_it_does_not_take(kernels):
     assert not kernels.supports_attention(4, 4, 12)
     with pytest.raises(ValueError, match="does not take 4 heads"):
         kernels.decode_attention(torch.randn(1, 4, 12), torch.randn(16, 4, 12), torch.randn(16, 4, 12),
-                                 torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), 16, 0.3)
+                                 cpu_kernels.BlockTables([torch.zeros(1, dtype=torch.long)], [3], 16), 16, 0.3)
+
+
+def test_a_block_table_must_cover_its_context():
+    with pytest.raises(ValueError, match="covering its 40 positions"):
+        cpu_kernels.BlockTables([torch.zeros(2, dtype=torch.long)], [40], 16)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        cpu_kernels.BlockTables([torch.zeros(3, dtype=torch.int32)], [40], 16)
 
 
 @torch.inference_mode()

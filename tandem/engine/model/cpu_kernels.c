@@ -227,12 +227,13 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
 }
 
 /* q, out [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_slots, num_kv_heads, head_dim] (one
- * layer); block_tables [num_seqs, max_blocks]; context_lens [num_seqs], each at least 1. Returns -1,
+ * layer); block_tables [num_seqs]: each sequence's block ids, at least ceil(context_len / block_size)
+ * of them; context_lens [num_seqs], each at least 1. Returns -1,
  * computing nothing, for a shape it does not take: head_dim not a multiple of 8 or above MAX_HEAD_DIM,
  * more than MAX_GROUP query heads per key-value head. */
 int tandem_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                            const int64_t *block_tables, const int64_t *context_lens, int64_t num_seqs,
-                            int64_t max_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                            const int64_t *const *block_tables, const int64_t *context_lens, int64_t num_seqs,
+                            int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, float scale, float *out, int threads)
 {
     int64_t group = num_heads / num_kv_heads;
@@ -243,7 +244,7 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
     for (int64_t item = 0; item < items; item++) {
         int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
         int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-        attend(q + offset, k_cache, v_cache, block_tables + seq * max_blocks, context_lens[seq], block_size,
+        attend(q + offset, k_cache, v_cache, block_tables[seq], context_lens[seq], block_size,
                num_kv_heads * head_dim, kv_head, (int)group, head_dim, scale, out + offset);
     }
     return 0;

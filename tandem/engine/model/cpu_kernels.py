@@ -45,8 +45,8 @@ class CpuKernels:
         self._linear_f16.restype = None
         self.tile_rows = c.tandem_linear_f16_tile_rows()
         self._decode_attention = c.tandem_decode_attention
-        self._decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                           ptr, ctypes.c_int]
+        self._decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                           ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
         self._rms_norm = c.tandem_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
@@ -81,19 +81,18 @@ class CpuKernels:
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                         scale: float) -> torch.Tensor:
-        """Attention of ``q`` [seqs, heads, head_dim] (one token per sequence) over each sequence's
-        first ``context_lens[i]`` cached positions, found through ``block_tables`` [seqs, max_blocks];
-        ``k_cache``, ``v_cache``: one layer's [slots, kv_heads, head_dim]. All float32 and int64."""
+                         block_tables: "BlockTables", block_size: int, scale: float) -> torch.Tensor:
+        """Attention of ``q`` [seqs, heads, head_dim] (one token per sequence) over each sequence's cached
+        positions, found through ``block_tables``; ``k_cache``, ``v_cache``: one layer's [slots, kv_heads,
+        head_dim], float32."""
         seqs, heads, head_dim = q.shape
-        if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or block_tables.dtype != torch.int64 \
-                or context_lens.dtype != torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("decode_attention needs contiguous float32 q and caches and int64 tables")
-        q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+        if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 \
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or len(block_tables) != seqs:
+            raise ValueError("decode_attention needs contiguous float32 q and caches, and a block table per sequence")
+        q = q.contiguous()
         out = torch.empty_like(q)
         status = self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                        block_tables.data_ptr(), context_lens.data_ptr(), seqs, block_tables.shape[1],
+                                        block_tables.pointers.data_ptr(), block_tables.context_lens.data_ptr(), seqs,
                                         block_size, heads, k_cache.shape[1], head_dim, scale, out.data_ptr(),
                                         torch.get_num_threads())
         if status != 0:
@@ -139,6 +138,25 @@ class CpuKernels:
         """Whether ``decode_attention`` takes this head layout (see ``tandem_decode_attention``)."""
         return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 \
             and num_heads // num_kv_heads <= 16
+
+
+class BlockTables:
+    """Where ``decode_attention`` finds each sequence's context: per sequence, an int64 tensor of (at
+    least) its blocks' ids and the number of positions attended. The rows stay the caller's (who keeps
+    them alive); the kernel reads them in place through their addresses."""
+
+    def __init__(self, rows: list[torch.Tensor], context_lens: list[int], block_size: int):
+        for row, length in zip(rows, context_lens, strict=True):
+            if row.dtype is not torch.int64 or not row.is_contiguous() or length < 1 \
+                    or len(row) * block_size < length:
+                raise ValueError(f"a block table row must be a contiguous int64 tensor covering its {length} "
+                                 f"positions, got {row.dtype} {tuple(row.shape)}")
+        self.rows = rows
+        self.pointers = torch.tensor([row.data_ptr() for row in rows], dtype=torch.int64)
+        self.context_lens = torch.tensor(context_lens, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:

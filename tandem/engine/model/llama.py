@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.model.cpu_kernels import CpuKernels
+from tandem.engine.model.cpu_kernels import BlockTables, CpuKernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -36,8 +36,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None  # gather: [num_decodes * max_context] context slots, padded
     decode_mask: torch.Tensor | None  # gather: [num_decodes, 1, 1, max_context] True where attended
     prefills: list["PrefillChunk"]
-    decode_block_tables: torch.Tensor | None = None  # kernel: [num_decodes, max_blocks] block ids, padded
-    decode_context_lens: torch.Tensor | None = None  # kernel: [num_decodes] positions attended
+    decode_block_tables: BlockTables | None = None  # kernel: each decode's blocks and positions attended
     block_size: int = 0
 
 
@@ -130,7 +129,7 @@ class Attention(nn.Module):
         n = meta.num_decodes
         if n and meta.decode_block_tables is not None:
             out[:n] = self.cpu_kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.decode_context_lens, meta.block_size, self.scale)
+                                                        meta.block_size, self.scale)
         elif n:
             keys = k_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
             values = v_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)

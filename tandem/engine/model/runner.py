@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tandem.engine.config import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, CacheConfig
 from tandem.engine.model import cpu_kernels
+from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
 from tandem.engine.model.loader import load_tensors
 from tandem.engine.model.sampler import sample
@@ -90,6 +92,7 @@ class ModelRunner:
         shape = (config.num_hidden_layers, self.num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
+        self._block_rows: dict[str, _BlockRow] = {}
         self.cos_table, self.sin_table = rope_tables(config, self.max_model_len, self.dtype, self.torch_device)
         logger.info("model %s on %s (%s, %s weights for decode steps): %d KV blocks of %d tokens", model_dir, self.device,
                     self.dtype, self.decode_dtype, self.num_kv_blocks, block_size)
@@ -122,7 +125,7 @@ class ModelRunner:
             prefills=[],
         )
         if decodes and self.model.uses_cpu_kernels:
-            meta.decode_block_tables, meta.decode_context_lens = self._decode_block_tables(decodes)
+            meta.decode_block_tables = self._decode_block_tables(decodes)
             meta.block_size = self.block_size
         elif decodes:
             meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
@@ -167,12 +170,21 @@ class ModelRunner:
         device = self.torch_device
         return slots.view(-1).to(device), mask[:, None, None, :].to(device)
 
-    def _decode_block_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = [item.start + 1 for item in decodes]
-        tables = [item.request.block_ids[:cdiv(length, self.block_size)] for item, length in zip(decodes, lengths)]
-        width = max(len(table) for table in tables)
-        padded = [table + [0] * (width - len(table)) for table in tables]
-        return torch.tensor(padded, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+    def _decode_block_tables(self, decodes: list[ScheduledRequest]) -> BlockTables:
+        """Each decode's block ids as a tensor kept from step to step: a step converts only the blocks
+        added since the last (one per ``block_size`` tokens), so its work does not grow with the context."""
+        rows: dict[str, _BlockRow] = {}
+        for item in decodes:
+            request = item.request
+            row = self._block_rows.get(request.req_id)
+            if row is None or row.source is not request.block_ids:  # new, or its blocks were reallocated
+                row = _BlockRow(request.block_ids, torch.tensor(request.block_ids, dtype=torch.long))
+            elif len(row.ids) < len(request.block_ids):
+                added = torch.tensor(request.block_ids[len(row.ids):], dtype=torch.long)
+                row.ids = torch.cat((row.ids, added))
+            rows[request.req_id] = row
+        self._block_rows = rows
+        return BlockTables([row.ids for row in rows.values()], [item.start + 1 for item in decodes], self.block_size)
 
     def _prefill_chunk(self, item: ScheduledRequest, token_start: int) -> PrefillChunk:
         if item.start == 0:
@@ -187,6 +199,12 @@ class ModelRunner:
             self._context_slots(item.request.block_ids, length).to(device),
             mask[None, None].to(device),
         )
+
+
+@dataclass
+class _BlockRow:
+    source: list[int]  # the request's block_ids list the tensor copies: appended to in place until reallocated
+    ids: torch.Tensor
 
 
 def _eos_token_ids(config, model_dir: Path, generation_config_cls) -> frozenset[int]:
