@@ -1,7 +1,8 @@
 """A CPU decode step's time budget: milliseconds per step at batch 1 and 8 (600-token contexts sharing
-a 496-token prefix, the article's shape), split into the CPU kernels' linears, their decode attention
-and everything else (the other kernels, torch ops, Python), against the floor that reading the weights
-at this machine's measured bandwidth sets. Writes bench/results/step-budget.json.
+a 496-token prefix, the article's shape), against the floor that reading the weights at this machine's
+measured bandwidth sets: the step as it runs (every decoder layer in one kernel call), and the same step
+one op at a time, split into the CPU kernels' linears, their decode attention and everything else (the
+other kernels, torch ops, Python). Writes bench/results/step-budget.json.
 """
 
 from __future__ import annotations
@@ -39,22 +40,27 @@ def timed_steps(engine, batch: int, steps: int, spent: collections.Counter) -> d
     prefix = [rng.randrange(3, engine.executor.vocab_size) for _ in range(496)]
     for index in range(batch):
         prompt = prefix + [rng.randrange(3, engine.executor.vocab_size) for _ in range(20)]
-        engine.add_request(Request(f"b{batch}-{index}", prompt, steps + 100, SamplingParams(temperature=0),
+        engine.add_request(Request(f"b{batch}-{index}", prompt, 2 * steps + 100, SamplingParams(temperature=0),
                                    ignore_eos=True))
     for _ in range(80):  # prefill, then decodes until the contexts are about 600 tokens long
         engine.step()
-    spent.clear()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step_ms = (time.perf_counter() - start) * 1000 / steps
+    model = engine.executor.model
+    fused = model.decode_layers
+    times = {}
+    for mode, layers in (("step_ms", fused), ("one_op_at_a_time_step_ms", None)):
+        model.decode_layers = layers
+        spent.clear()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        times[mode] = (time.perf_counter() - start) * 1000 / steps
+    model.decode_layers = fused
     for request_id in [f"b{batch}-{index}" for index in range(batch)]:
         engine.abort(request_id)
     while engine.has_work():
         engine.step()
-    parts = {name: spent[name] * 1000 / steps for name in TIMED}
-    return {"step_ms": step_ms, **{f"{name}_ms": ms for name, ms in parts.items()},
-            "other_ms": step_ms - sum(parts.values())}
+    parts = {f"{name}_ms": spent[name] * 1000 / steps for name in TIMED}  # one op at a time
+    return {**times, **parts, "other_ms": times["one_op_at_a_time_step_ms"] - sum(parts.values())}
 
 
 def main() -> None:
@@ -67,7 +73,7 @@ def main() -> None:
     engine = build_engine(None, "cpu", "float32", SchedulerConfig(max_active_requests=8),
                           CacheConfig(num_kv_blocks=1024), calibrate=False)
     runner = engine.executor
-    if not runner.model.uses_cpu_kernels:
+    if runner.model.decode_layers is None:
         raise SystemExit("the CPU kernels cannot run here (see the log above)")
     spent: collections.Counter = collections.Counter()
     for name in TIMED:

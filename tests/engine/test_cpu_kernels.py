@@ -1,5 +1,6 @@
 """The CPU kernels (built here with the machine's C compiler, as a worker builds them) against torch's
-own ops, and PackedLinear: oneDNN's packed fp32 weight, and the float16 copy that steps of few rows read."""
+own ops; PackedLinear: oneDNN's packed fp32 weight, and the float16 copy that steps of few rows read; and
+a step of decodes run through all the layers in one call against the same step one op at a time."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model import cpu_kernels
+from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import FEW_ROWS, PackedLinear
+from tests.engine.helpers import greedy_request, random_prompt, run_to_completion
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -109,9 +113,10 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim) * 2
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
     rows = [torch.randperm(num_blocks)[:-(-length // block_size)] for length in lengths]  # each its own length
-    q = torch.randn(len(lengths), heads, head_dim)
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * head_dim)  # queries read in place from a projection
+    q = qkv[:, :heads * head_dim].view(len(lengths), heads, head_dim)
     block_tables = cpu_kernels.BlockTables(rows, lengths, block_size)
-    out = kernels.decode_attention(q, k_cache, v_cache, block_tables, block_size, head_dim ** -0.5)
+    out = kernels.decode_attention(q, k_cache, v_cache, block_tables, head_dim ** -0.5)
     expected = reference_attention(q, k_cache, v_cache, rows, lengths, block_size)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
 
@@ -120,7 +125,7 @@ def test_decode_attention_refuses_a_layout_it_does_not_take(kernels):
     assert not kernels.supports_attention(4, 4, 12)
     with pytest.raises(ValueError, match="does not take 4 heads"):
         kernels.decode_attention(torch.randn(1, 4, 12), torch.randn(16, 4, 12), torch.randn(16, 4, 12),
-                                 cpu_kernels.BlockTables([torch.zeros(1, dtype=torch.long)], [3], 16), 16, 0.3)
+                                 cpu_kernels.BlockTables([torch.zeros(1, dtype=torch.long)], [3], 16), 0.3)
 
 
 def test_a_block_table_must_cover_its_context():
@@ -187,3 +192,39 @@ def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
         kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="contiguous float32"):
         kernels.rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-5)
+
+
+@torch.inference_mode()
+def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(kernels, tiny_model):
+    engine = build_engine(str(tiny_model), "cpu", "float32", SchedulerConfig(max_num_batched_tokens=32),
+                          CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="float16")
+    model = engine.executor.model
+    fused = model.decode_layers
+    assert fused is not None and len(fused) == model.config.num_hidden_layers
+    one_op_at_a_time = model.forward
+    compared_rows = []
+
+    def both_ways(input_ids, positions, k_cache, v_cache, meta, *rest):
+        logits = one_op_at_a_time(input_ids, positions, k_cache, v_cache, meta, *rest)
+        if not meta.prefills:
+            model.decode_layers = None  # the same step again, layer by layer (it writes the same keys and values)
+            try:
+                assert torch.equal(one_op_at_a_time(input_ids, positions, k_cache, v_cache, meta, *rest), logits)
+            finally:
+                model.decode_layers = fused
+            compared_rows.append(len(input_ids))
+        return logits
+
+    model.forward = both_ways
+    for index, length in enumerate((3, 17, 40, 70)):
+        engine.add_request(greedy_request(f"r{index}", random_prompt(engine, length, seed=index), 12))
+    run_to_completion(engine)
+    assert max(compared_rows) == 4 and min(compared_rows) == 1  # decode steps of all four and of the last alone
+
+
+def test_decode_layers_take_only_packed_float16_weights(kernels):
+    layer = {"input_norm": torch.ones(8), "post_attention_norm": torch.ones(8),
+             **{name: torch.zeros(8, 8) for name in cpu_kernels.DecodeLayers.LINEARS},
+             **{f"{name}_bias": None for name in cpu_kernels.DecodeLayers.LINEARS}}
+    with pytest.raises(ValueError, match="float16 weights"):
+        cpu_kernels.DecodeLayers([layer], 8, 1, 1, 8, 8, 1e-5, 0.3)

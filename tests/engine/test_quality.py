@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
+from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import AttentionMetadata
 from tests.engine.helpers import greedy_request, output_tokens, run_to_completion
@@ -51,12 +52,14 @@ def engine_with(decode_weights: str):
 def one_row_perplexity(engine, tokens: list[int]) -> float:
     """Perplexity of ``tokens``, each position scored in a step of its own over the cached context."""
     runner = engine.executor
+    blocks = torch.arange(runner.num_kv_blocks)  # position p in slot p
     nll = 0.0
     with torch.inference_mode():
         for position in range(len(tokens) - 1):
             meta = AttentionMetadata(slot_mapping=torch.tensor([position]), num_decodes=1,
                                      decode_slots=torch.arange(position + 1),
-                                     decode_mask=torch.ones(1, 1, 1, position + 1, dtype=torch.bool), prefills=[])
+                                     decode_mask=torch.ones(1, 1, 1, position + 1, dtype=torch.bool), prefills=[],
+                                     decode_block_tables=BlockTables([blocks], [position + 1], runner.block_size))
             logits = runner.model(torch.tensor([tokens[position]]), torch.tensor([position]), runner.k_cache,
                                   runner.v_cache, meta, torch.tensor([0]), runner.cos_table, runner.sin_table)
             nll -= torch.log_softmax(logits[0], dim=-1)[tokens[position + 1]].item()

@@ -226,12 +226,13 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
     }
 }
 
-/* q, out [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_slots, num_kv_heads, head_dim] (one
- * layer); block_tables [num_seqs]: each sequence's block ids, at least ceil(context_len / block_size)
- * of them; context_lens [num_seqs], each at least 1. Returns -1,
- * computing nothing, for a shape it does not take: head_dim not a multiple of 8 or above MAX_HEAD_DIM,
- * more than MAX_GROUP query heads per key-value head. */
-int tandem_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+/* q [num_seqs, num_heads, head_dim], each sequence's query q_stride floats after the last one's (the
+ * heads of one sequence contiguous); out [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_slots,
+ * num_kv_heads, head_dim] (one layer); block_tables [num_seqs]: each sequence's block ids, at least
+ * ceil(context_len / block_size) of them; context_lens [num_seqs], each at least 1. Returns -1, computing
+ * nothing, for a shape it does not take: head_dim not a multiple of 8 or above MAX_HEAD_DIM, more than
+ * MAX_GROUP query heads per key-value head. */
+int tandem_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                             const int64_t *const *block_tables, const int64_t *context_lens, int64_t num_seqs,
                             int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, float scale, float *out, int threads)
@@ -243,9 +244,10 @@ int tandem_decode_attention(const float *q, const float *k_cache, const float *v
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; item++) {
         int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-        int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
-        attend(q + offset, k_cache, v_cache, block_tables[seq], context_lens[seq], block_size,
-               num_kv_heads * head_dim, kv_head, (int)group, head_dim, scale, out + offset);
+        int64_t head = kv_head * group * head_dim;
+        attend(q + seq * q_stride + head, k_cache, v_cache, block_tables[seq], context_lens[seq], block_size,
+               num_kv_heads * head_dim, kv_head, (int)group, head_dim, scale,
+               out + seq * num_heads * head_dim + head);
     }
     return 0;
 }
@@ -320,4 +322,55 @@ void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float
         for (; i < size; i++)
             out[r * size + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
+}
+
+/* One decoder layer's weights for tandem_decode_layers: its norms', and its linears' packed float16
+ * weights (see tandem_linear_f16) and biases (NULL where none). */
+typedef struct {
+    const float *input_norm, *post_attention_norm;
+    const uint16_t *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+} tandem_layer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+} tandem_layer_shape;
+
+/* A decode step's decoder layers, each exactly as the kernels above compute it one call at a time:
+ * x [rows, hidden] comes in as the embeddings and leaves as the last layer's output; residual [rows,
+ * hidden] comes in as zeros and leaves as the residual stream before it (the hidden state is their sum).
+ * k_cache, v_cache: [num_layers, slots, kv_heads, head_dim], cache_layer_size floats per layer. scratch
+ * holds rows · (hidden + qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per
+ * layer takes the dispatch of each op out of the step. Returns -1 where decode attention does not take
+ * the shape. */
+int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const tandem_layer_shape *shape,
+                         int64_t rows, float *x, float *residual, const int64_t *positions, const float *cos_table,
+                         const float *sin_table, const int64_t *slot_mapping, float *k_cache, float *v_cache,
+                         int64_t cache_layer_size, const int64_t *const *block_tables, const int64_t *context_lens,
+                         int64_t block_size, float *scratch, int threads)
+{
+    int64_t hidden = shape->hidden, q_size = shape->num_heads * shape->head_dim;
+    int64_t qkv_size = q_size + 2 * shape->num_kv_heads * shape->head_dim;
+    float *normed = scratch, *qkv = normed + rows * hidden, *attention = qkv + rows * qkv_size;
+    float *gate_up = attention + rows * q_size, *activation = gate_up + rows * 2 * shape->intermediate;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const tandem_layer *layer = layers + l;
+        float *keys = k_cache + l * cache_layer_size, *values = v_cache + l * cache_layer_size;
+        tandem_rms_norm(x, residual, layer->input_norm, rows, hidden, shape->eps, normed, threads);
+        tandem_linear_f16(normed, rows, hidden, layer->qkv, qkv_size, layer->qkv_bias, qkv, threads);
+        tandem_rope_and_cache(qkv, rows, shape->num_heads, shape->num_kv_heads, shape->head_dim, positions,
+                              cos_table, sin_table, slot_mapping, keys, values, threads);
+        if (tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, rows, block_size,
+                                    shape->num_heads, shape->num_kv_heads, shape->head_dim, shape->scale,
+                                    attention, threads))
+            return -1;
+        tandem_linear_f16(attention, rows, q_size, layer->o, hidden, layer->o_bias, x, threads);
+        tandem_rms_norm(x, residual, layer->post_attention_norm, rows, hidden, shape->eps, normed, threads);
+        tandem_linear_f16(normed, rows, hidden, layer->gate_up, 2 * shape->intermediate, layer->gate_up_bias,
+                          gate_up, threads);
+        tandem_silu_and_mul(gate_up, rows, shape->intermediate, activation, threads);
+        tandem_linear_f16(activation, rows, shape->intermediate, layer->down, hidden, layer->down_bias, x, threads);
+    }
+    return 0;
 }

@@ -45,8 +45,8 @@ class CpuKernels:
         self._linear_f16.restype = None
         self.tile_rows = c.tandem_linear_f16_tile_rows()
         self._decode_attention = c.tandem_decode_attention
-        self._decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                           ctypes.c_int]
+        self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+                                           ptr, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
         self._rms_norm = c.tandem_rms_norm
         self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
@@ -57,6 +57,10 @@ class CpuKernels:
         self._silu_and_mul = c.tandem_silu_and_mul
         self._silu_and_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
         self._silu_and_mul.restype = None
+        self._decode_layers = c.tandem_decode_layers
+        self._decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
+                                        i64, ptr, ctypes.c_int]
+        self._decode_layers.restype = ctypes.c_int
 
     def pack_f16(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` [n, k] (k a multiple of 8) as float16 in the tiled layout ``linear_f16`` reads."""
@@ -81,20 +85,20 @@ class CpuKernels:
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: "BlockTables", block_size: int, scale: float) -> torch.Tensor:
-        """Attention of ``q`` [seqs, heads, head_dim] (one token per sequence) over each sequence's cached
-        positions, found through ``block_tables``; ``k_cache``, ``v_cache``: one layer's [slots, kv_heads,
-        head_dim], float32."""
+                         block_tables: "BlockTables", scale: float) -> torch.Tensor:
+        """Attention of ``q`` [seqs, heads, head_dim] (one token per sequence; each sequence's heads
+        contiguous) over each sequence's cached positions, found through ``block_tables``; ``k_cache``,
+        ``v_cache``: one layer's [slots, kv_heads, head_dim], float32."""
         seqs, heads, head_dim = q.shape
-        if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 \
+        if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or q.stride()[1:] != (head_dim, 1) \
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or len(block_tables) != seqs:
-            raise ValueError("decode_attention needs contiguous float32 q and caches, and a block table per sequence")
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        status = self._decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            raise ValueError("decode_attention needs float32 q with each sequence's heads contiguous, contiguous "
+                             "float32 caches, and a block table per sequence")
+        out = torch.empty(q.shape, dtype=torch.float32)
+        status = self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                         block_tables.pointers.data_ptr(), block_tables.context_lens.data_ptr(), seqs,
-                                        block_size, heads, k_cache.shape[1], head_dim, scale, out.data_ptr(),
-                                        torch.get_num_threads())
+                                        block_tables.block_size, heads, k_cache.shape[1], head_dim, scale,
+                                        out.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise ValueError(f"decode_attention does not take {heads} heads over {k_cache.shape[1]} key-value "
                              f"heads of size {head_dim}")
@@ -133,11 +137,79 @@ class CpuKernels:
         self._silu_and_mul(gate_up.data_ptr(), rows, size, out.data_ptr(), torch.get_num_threads())
         return out
 
+    def decode_layers(self, layers: "DecodeLayers", x: torch.Tensor, positions: torch.Tensor,
+                      cos_table: torch.Tensor, sin_table: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: "BlockTables") -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of a step of decodes only, one row each, in one call: the last layer's output
+        and the residual stream before it, from the embeddings ``x`` [rows, hidden]. ``k_cache``,
+        ``v_cache``: [layers, slots, kv_heads, head_dim]."""
+        shape = layers.shape
+        rows = x.shape[0]
+        _check_float32(x, cos_table, sin_table, k_cache, v_cache)
+        if x.shape[1] != shape.hidden or len(block_tables) != rows or not len(positions) == len(slot_mapping) == rows \
+                or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 \
+                or k_cache.shape != v_cache.shape or k_cache.shape[0] != len(layers):
+            raise ValueError("decode_layers needs one position, slot and block table per row of the model's width, "
+                             "and caches of its layers")
+        x = x.clone()
+        residual = torch.zeros_like(x)
+        scratch = torch.empty(rows * layers.scratch_per_row, dtype=torch.float32)
+        status = self._decode_layers(layers.table, len(layers), ctypes.byref(shape), rows, x.data_ptr(),
+                                     residual.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
+                                     sin_table.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
+                                     v_cache.data_ptr(), k_cache[0].numel(), block_tables.pointers.data_ptr(),
+                                     block_tables.context_lens.data_ptr(), block_tables.block_size, scratch.data_ptr(),
+                                     torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"decode_layers does not take {shape.num_heads} heads over {shape.num_kv_heads} "
+                             f"key-value heads of size {shape.head_dim}")
+        return x, residual
+
     @staticmethod
     def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``decode_attention`` takes this head layout (see ``tandem_decode_attention``)."""
         return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 \
             and num_heads // num_kv_heads <= 16
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
+        "down_bias")]
+
+
+class _LayerShape(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
+                                                    "intermediate")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class DecodeLayers:
+    """Where ``decode_layers`` finds every decoder layer's weights: per layer, the two norms' float32
+    weights, and the float16 weights (``pack_f16``) and float32 biases (or None) of its linears ``qkv``
+    (query, key and value heads fused), ``o``, ``gate_up`` (gate, then up) and ``down``. The tensors stay
+    the caller's, who keeps them alive."""
+
+    LINEARS = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, layers: list[dict[str, torch.Tensor | None]], hidden: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float):
+        entries = []
+        for layer in layers:
+            _check_float32(layer["input_norm"], layer["post_attention_norm"],
+                           *(layer[f"{name}_bias"] for name in self.LINEARS if layer[f"{name}_bias"] is not None))
+            if any(layer[name].dtype != torch.float16 or not layer[name].is_contiguous() for name in self.LINEARS):
+                raise ValueError("decode_layers reads contiguous float16 weights, packed by pack_f16")
+            entries.append(_Layer(**{name: None if tensor is None else tensor.data_ptr()
+                                     for name, tensor in layer.items()}))
+        self.layers = layers
+        self.table = (_Layer * len(entries))(*entries)
+        self.shape = _LayerShape(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scratch_per_row = hidden + (q_size + 2 * kv_size) + q_size + 3 * intermediate
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 class BlockTables:
@@ -152,6 +224,7 @@ class BlockTables:
                 raise ValueError(f"a block table row must be a contiguous int64 tensor covering its {length} "
                                  f"positions, got {row.dtype} {tuple(row.shape)}")
         self.rows = rows
+        self.block_size = block_size
         self.pointers = torch.tensor([row.data_ptr() for row in rows], dtype=torch.int64)
         self.context_lens = torch.tensor(context_lens, dtype=torch.int64)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.model.cpu_kernels import BlockTables, CpuKernels
+from tandem.engine.model.cpu_kernels import BlockTables, CpuKernels, DecodeLayers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -37,7 +37,6 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # gather: [num_decodes, 1, 1, max_context] True where attended
     prefills: list["PrefillChunk"]
     decode_block_tables: BlockTables | None = None  # kernel: each decode's blocks and positions attended
-    block_size: int = 0
 
 
 @dataclass
@@ -128,8 +127,7 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n and meta.decode_block_tables is not None:
-            out[:n] = self.cpu_kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                                        meta.block_size, self.scale)
+            out[:n] = self.cpu_kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, self.scale)
         elif n:
             keys = k_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
             values = v_cache.index_select(0, meta.decode_slots).view(n, -1, self.num_kv_heads, self.head_dim)
@@ -208,6 +206,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_layers: DecodeLayers | None = None  # with the CPU kernels and float16 weights
 
     def forward(
         self,
@@ -227,13 +226,19 @@ class CausalLM(nn.Module):
             k_cache, v_cache: [num_layers, num_slots, num_kv_heads, head_dim].
         """
         x, residual = self.embed_tokens(input_ids), None
-        if self.uses_cpu_kernels:
-            cos, sin = cos_table, sin_table
+        if self.decode_layers is not None and meta.decode_block_tables is not None and not meta.prefills \
+                and len(input_ids) <= FEW_ROWS:
+            x, residual = self.norm.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
+                                                              meta.slot_mapping, k_cache, v_cache,
+                                                              meta.decode_block_tables)
         else:
-            cos = cos_table.index_select(0, positions).unsqueeze(1)
-            sin = sin_table.index_select(0, positions).unsqueeze(1)
-        for index, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta)
+            if self.uses_cpu_kernels:
+                cos, sin = cos_table, sin_table
+            else:
+                cos = cos_table.index_select(0, positions).unsqueeze(1)
+                sin = sin_table.index_select(0, positions).unsqueeze(1)
+            for index, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta)
         hidden = (x + residual).index_select(0, logits_indices)
         return self.lm_head(self.norm(hidden)[0])
 
@@ -269,9 +274,11 @@ class CausalLM(nn.Module):
         """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN, and, with
         ``kernels`` that take this model's head layout, run norms, rotary embeddings, cache writes,
         activations and decode attention (the runner then passes block tables) through them, and, with
-        ``f16_weights``, the linears of steps of few rows."""
+        ``f16_weights``, the linears of steps of few rows; then a step of decodes alone runs all the decoder
+        layers in one kernel call."""
+        attention = self.layers[0].self_attn
         usable = kernels is not None and kernels.supports_attention(
-            self.config.num_attention_heads, self.config.num_key_value_heads, self.layers[0].self_attn.head_dim)
+            attention.num_heads, attention.num_kv_heads, attention.head_dim)
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
@@ -279,6 +286,17 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child, kernels if f16 else None))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   for layer in self.layers]
+        if usable and all(linear.f16_weight is not None for layer in linears for linear in layer):
+            tables = [{"input_norm": layer.input_layernorm.weight,
+                       "post_attention_norm": layer.post_attention_layernorm.weight,
+                       **{name: linear.f16_weight for name, linear in zip(DecodeLayers.LINEARS, layer_linears)},
+                       **{f"{name}_bias": linear.bias for name, linear in zip(DecodeLayers.LINEARS, layer_linears)}}
+                      for layer, layer_linears in zip(self.layers, linears)]
+            self.decode_layers = DecodeLayers(tables, self.config.hidden_size, attention.num_heads,
+                                              attention.num_kv_heads, attention.head_dim,
+                                              self.config.intermediate_size, self.norm.eps, attention.scale)
 
     @property
     def uses_cpu_kernels(self) -> bool:

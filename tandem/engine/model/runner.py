@@ -126,7 +126,6 @@ class ModelRunner:
         )
         if decodes and self.model.uses_cpu_kernels:
             meta.decode_block_tables = self._decode_block_tables(decodes)
-            meta.block_size = self.block_size
         elif decodes:
             meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
         token_start = len(decodes)
