@@ -79,7 +79,7 @@ def _run(argv: list[str]) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         print(resolve_model(args.model))
-        cpu_kernels.load()
+        cpu_kernels.build_all()
         return 0
     if args.command == "up":
         from tandem.engine.model.loader import tandem_home

@@ -18,9 +18,10 @@ from tests.engine.helpers import greedy_request, random_prompt, run_to_completio
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    built = cpu_kernels.load()
+@pytest.fixture(scope="module", params=cpu_kernels.usable_isas() or ["none"])
+def kernels(request):
+    """Each build this CPU runs: AVX2, and AVX-512 where the CPU has it."""
+    built = None if request.param == "none" else cpu_kernels.load(request.param)
     if built is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     return built
@@ -29,10 +30,10 @@ def kernels():
 @torch.inference_mode()
 def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(kernels):
     torch.manual_seed(0)
-    linear = nn.Linear(72, 45)  # 45 outputs: the last tile padded
+    linear = nn.Linear(80, 45)  # 45 outputs: the last tile padded
     packed = PackedLinear(linear, kernels)
     for rows in (1, 3, FEW_ROWS, FEW_ROWS + 1, 40):
-        x = torch.randn(rows, 72)
+        x = torch.randn(rows, 80)
         if rows <= FEW_ROWS:
             expected = F.linear(x, linear.weight.half().float(), linear.bias)
         else:
@@ -42,7 +43,7 @@ def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(ke
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows, width, outputs", [(1, 8, 1), (2, 16, 3), (5, 576, 7), (9, 1536, 64)])
+@pytest.mark.parametrize("rows, width, outputs", [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64)])
 def test_linear_f16_computes_every_tile_and_remainder_in_float32(kernels, rows, width, outputs):
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width).half(), torch.randn(outputs)
@@ -57,7 +58,7 @@ def test_linear_f16_names_what_it_was_given_wrong(kernels):
         kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 8), 4, None)
     with pytest.raises(ValueError, match="matching width"):
         kernels.linear_f16(torch.randn(1, 8), kernels.pack_f16(torch.randn(4, 16)), 4, None)
-    with pytest.raises(ValueError, match="multiple of 8 wide"):
+    with pytest.raises(ValueError, match=f"multiple of {kernels.chunk} wide"):
         kernels.pack_f16(torch.randn(4, 12))
 
 
@@ -81,14 +82,22 @@ def fresh_load():
 def test_a_machine_that_cannot_build_them_runs_on_torch_ops(kernels, fresh_load, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert fresh_load() is None
+    assert fresh_load(kernels.isa) is None
     assert "could not build the CPU kernels" in caplog.text
 
 
 def test_a_library_built_ahead_loads_without_a_compiler(kernels, fresh_load, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
-    assert fresh_load() is not None
+    assert fresh_load(kernels.isa).isa == kernels.isa
+
+
+def test_the_widest_build_the_cpu_runs_is_the_default(kernels, fresh_load, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    assert cpu_kernels.usable_isas() == ["avx2"]
+    assert fresh_load().isa == "avx2" and fresh_load().chunk == 8
+    with pytest.raises(ValueError, match="cannot run the avx512 kernels"):
+        fresh_load("avx512")
 
 
 def reference_attention(q, k_cache, v_cache, rows, lengths, block_size):

@@ -6,7 +6,8 @@
  * weights. Stored as float16 they are half the bytes of float32; F16C widens them to float32 in
  * registers, and every product and sum is float32. The weight rows are cut into tiles of TILE_N rows,
  * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass
- * over it.
+ * over it. Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and
+ * the weights are packed for that width.
  *
  * tandem_decode_attention: one query token per sequence against its context in the paged KV cache,
  * read in place through the sequence's block table: one pass over the keys and values with an online
@@ -18,6 +19,24 @@
 
 #define TILE_M 4
 #define TILE_N 3
+
+#ifdef __AVX512F__
+#define CHUNK 16
+typedef __m512 chunk_vector;
+#define chunk_zero _mm512_setzero_ps
+#define chunk_load _mm512_loadu_ps
+#define chunk_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define chunk_fmadd _mm512_fmadd_ps
+#define chunk_sum _mm512_reduce_add_ps
+#else
+#define CHUNK 8
+typedef __m256 chunk_vector;
+#define chunk_zero _mm256_setzero_ps
+#define chunk_load _mm256_loadu_ps
+#define chunk_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define chunk_fmadd _mm256_fmadd_ps
+#define chunk_sum horizontal_sum
+#endif
 
 static inline float horizontal_max(__m256 v)
 {
@@ -35,12 +54,18 @@ static inline float horizontal_sum(__m256 v)
     return _mm_cvtss_f32(sum);
 }
 
-/* Weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of eight: [n / TILE_N][k / 8]
- * [TILE_N][8], so the kernel reads the weight in one sequential stream (the hardware prefetcher keeps up
- * with one stream, not with TILE_N short ones). The last tile is padded with zero rows. */
+/* Weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of CHUNK: [n / TILE_N]
+ * [k / CHUNK][TILE_N][CHUNK], so the kernel reads the weight in one sequential stream (the hardware
+ * prefetcher keeps up with one stream, not with TILE_N short ones). The last tile is padded with zero
+ * rows. */
 int tandem_linear_f16_tile_rows(void)
 {
     return TILE_N;
+}
+
+int tandem_linear_f16_chunk(void)
+{
+    return CHUNK;
 }
 
 /* rows m < rows_m of x against one packed tile; rows_m is a constant at every call site, so the
@@ -49,28 +74,28 @@ static inline __attribute__((always_inline)) void tile(
     const float *x, int64_t k_size, const uint16_t *w, const float *bias, float *y, int64_t ldy,
     int rows_m, int columns)
 {
-    __m256 acc[TILE_M][TILE_N];
+    chunk_vector acc[TILE_M][TILE_N];
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < TILE_N; n++)
-            acc[m][n] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < k_size; k += 8) {
-        __m256 wv[TILE_N];
+            acc[m][n] = chunk_zero();
+    for (int64_t k = 0; k < k_size; k += CHUNK) {
+        chunk_vector wv[TILE_N];
         for (int n = 0; n < TILE_N; n++)
-            wv[n] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k * TILE_N + n * 8)));
+            wv[n] = chunk_load_f16(w + k * TILE_N + n * CHUNK);
         for (int m = 0; m < rows_m; m++) {
-            __m256 xv = _mm256_loadu_ps(x + m * k_size + k);
+            chunk_vector xv = chunk_load(x + m * k_size + k);
             for (int n = 0; n < TILE_N; n++)
-                acc[m][n] = _mm256_fmadd_ps(wv[n], xv, acc[m][n]);
+                acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
         }
     }
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < columns; n++) {
-            float sum = horizontal_sum(acc[m][n]);
+            float sum = chunk_sum(acc[m][n]);
             y[m * ldy + n] = bias ? sum + bias[n] : sum;
         }
 }
 
-/* x [rows, k_size] float32 (k_size a multiple of 8), w packed as above from [n_size, k_size] float16
+/* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] float16
  * bits, bias [n_size] float32 or NULL, y [rows, n_size] float32; all contiguous. */
 void tandem_linear_f16(const float *x, int64_t rows, int64_t k_size, const uint16_t *w, int64_t n_size,
                        const float *bias, float *y, int threads)

@@ -3,12 +3,13 @@
 - ``linear_f16``: rows times a float16 weight, in float32 arithmetic (half the bytes of a float32 weight);
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
-  torch's ops take several, the dispatch of which dominates a decode step's non-matmul time.
+  torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
+- ``decode_layers``: all the decoder layers of a step of decodes in one call.
 
 The C source ships with the package. It is compiled with the system C compiler into
-``$TANDEM_HOME/kernels`` once per source and flags (``tandem provision`` does it ahead of time, so a
-machine without a compiler can run a library built there), then loaded with ctypes, which releases the
-GIL for the call. ``load()`` returns None, and says why in the log, where the kernels cannot run: not
+``$TANDEM_HOME/kernels`` once per source and instruction set (AVX2, or AVX-512 where the CPU has it;
+``tandem provision`` builds every one this CPU runs ahead of time, so a machine without a compiler can
+run a library built there), then loaded with ctypes, which releases the GIL for the call. ``load()`` returns None, and says why in the log, where the kernels cannot run: not
 an x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a working C compiler.
 """
 
@@ -34,16 +35,22 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm")
 CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+# Builds of the same source, widest first: each needs these CPU flags beyond CPU_FLAGS, and compiles with
+# these flags beyond FLAGS.
+ISAS = {"avx512": (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl")),
+        "avx2": (frozenset(), ())}
 
 
 class CpuKernels:
-    def __init__(self, library: Path):
+    def __init__(self, library: Path, isa: str):
+        self.isa = isa
         c = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._linear_f16 = c.tandem_linear_f16
         self._linear_f16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
         self._linear_f16.restype = None
         self.tile_rows = c.tandem_linear_f16_tile_rows()
+        self.chunk = c.tandem_linear_f16_chunk()  # floats per vector: the packed weights' chunk width
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
@@ -63,18 +70,18 @@ class CpuKernels:
         self._decode_layers.restype = ctypes.c_int
 
     def pack_f16(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` [n, k] (k a multiple of 8) as float16 in the tiled layout ``linear_f16`` reads."""
+        """``weight`` [n, k] (k a multiple of ``chunk``) as float16 in the tiled layout ``linear_f16`` reads."""
         rows, width = weight.shape
-        if width % 8:
-            raise ValueError(f"pack_f16 needs a weight whose rows are a multiple of 8 wide, got {width}")
+        if width % self.chunk:
+            raise ValueError(f"pack_f16 needs a weight whose rows are a multiple of {self.chunk} wide, got {width}")
         padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width, dtype=torch.float16)
         padded[:rows] = weight
-        return padded.view(-1, self.tile_rows, width // 8, 8).transpose(1, 2).contiguous()
+        return padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
 
     def linear_f16(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
         """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``packed = pack_f16(weight)``."""
-        if x.dtype != torch.float32 or packed.dtype != torch.float16 or x.shape[-1] != packed.shape[1] * 8 \
+        if x.dtype != torch.float32 or packed.dtype != torch.float16 or x.shape[-1] != packed.shape[1] * self.chunk \
                 or out_features > packed.shape[0] * self.tile_rows:
             raise ValueError(f"linear_f16 needs float32 rows and a packed float16 weight of matching width, got "
                              f"{x.dtype} {tuple(x.shape)} and {packed.dtype} {tuple(packed.shape)}")
@@ -240,27 +247,48 @@ def _check_float32(*tensors: torch.Tensor) -> None:
 
 
 @functools.cache
-def load() -> CpuKernels | None:
-    """The kernels, compiled if this machine has not compiled this version yet; None where they cannot run."""
-    missing = CPU_FLAGS - _cpu_flags()
-    if platform.machine() != "x86_64" or missing:
+def load(isa: str | None = None) -> CpuKernels | None:
+    """The kernels for ``isa`` (by default the widest this CPU runs), compiled if this machine has not
+    compiled this version yet; None where they cannot run."""
+    usable = usable_isas()
+    if not usable:
         logger.warning("the CPU kernels need an x86-64 CPU with %s (missing: %s); decode steps use torch's ops",
-                       ", ".join(sorted(CPU_FLAGS)), ", ".join(sorted(missing)) or platform.machine())
+                       ", ".join(sorted(CPU_FLAGS)),
+                       ", ".join(sorted(CPU_FLAGS - _cpu_flags())) or platform.machine())
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS]).encode()).hexdigest()[:16]
-    library = tandem_home() / "kernels" / f"cpu_kernels-{key}.so"
+    isa = isa or usable[0]
+    if isa not in usable:
+        raise ValueError(f"this CPU cannot run the {isa} kernels (it runs: {', '.join(usable)})")
+    flags = (*FLAGS, *ISAS[isa][1])
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags]).encode()).hexdigest()[:16]
+    library = tandem_home() / "kernels" / f"cpu_kernels-{isa}-{key}.so"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     try:
         if not library.exists():
             if compiler is None:
                 logger.warning("the CPU kernels need a C compiler (cc, gcc or $CC); decode steps use torch's ops")
                 return None
-            _build(compiler, library)
-        return CpuKernels(library)
+            _build(compiler, flags, library)
+        return CpuKernels(library, isa)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         logger.warning("could not build the CPU kernels with %s (%s); decode steps use torch's ops", compiler, detail)
         return None
+
+
+def usable_isas() -> list[str]:
+    """The kernels' instruction sets this CPU runs, widest first."""
+    if platform.machine() != "x86_64":
+        return []
+    cpu = _cpu_flags()
+    return [name for name, (needs, _) in ISAS.items() if CPU_FLAGS | needs <= cpu]
+
+
+def build_all() -> None:
+    """Build every variant this CPU runs (``tandem provision``), so that an image built here serves a
+    narrower CPU too."""
+    for isa in usable_isas():
+        load(isa)
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -274,10 +302,10 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _build(compiler: str, library: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=True)
         os.replace(built, library)
     logger.info("built the CPU kernels: %s", library)

@@ -282,7 +282,7 @@ class CausalLM(nn.Module):
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    f16 = usable and f16_weights and child.in_features % 8 == 0
+                    f16 = usable and f16_weights and child.in_features % kernels.chunk == 0
                     setattr(module, name, PackedLinear(child, kernels if f16 else None))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
