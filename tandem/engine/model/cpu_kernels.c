@@ -17,10 +17,10 @@
 #include <math.h>
 #include <stdint.h>
 
-#define TILE_M 4
 #define TILE_N 3
 
 #ifdef __AVX512F__
+#define TILE_M 8 /* 24 accumulators of the 32 vector registers */
 #define CHUNK 16
 typedef __m512 chunk_vector;
 #define chunk_zero _mm512_setzero_ps
@@ -29,6 +29,7 @@ typedef __m512 chunk_vector;
 #define chunk_fmadd _mm512_fmadd_ps
 #define chunk_sum _mm512_reduce_add_ps
 #else
+#define TILE_M 4 /* 12 accumulators of the 16 vector registers */
 #define CHUNK 8
 typedef __m256 chunk_vector;
 #define chunk_zero _mm256_setzero_ps
@@ -110,8 +111,16 @@ void tandem_linear_f16(const float *x, int64_t rows, int64_t k_size, const uint1
         int64_t m = 0;
         for (; m + TILE_M <= rows; m += TILE_M)
             tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, TILE_M, columns);
-        for (; m < rows; m++)
-            tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, 1, columns);
+        /* the remaining rows in one pass over the tile, their count a constant in each case */
+#define REMAINING(count) \
+    case count: tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, count, columns); break;
+        switch (rows - m) {
+            REMAINING(1) REMAINING(2) REMAINING(3)
+#if TILE_M == 8
+            REMAINING(4) REMAINING(5) REMAINING(6) REMAINING(7)
+#endif
+        }
+#undef REMAINING
     }
 }
 
