@@ -92,6 +92,16 @@ def test_a_library_built_ahead_loads_without_a_compiler(kernels, fresh_load, mon
     assert fresh_load(kernels.isa).isa == kernels.isa
 
 
+def test_without_a_compiler_the_widest_build_made_earlier_serves(kernels, fresh_load, monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))  # holds only the narrowest build, as if made elsewhere
+    narrowest = cpu_kernels.usable_isas()[-1]
+    assert fresh_load(narrowest) is not None
+    fresh_load.cache_clear()
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert fresh_load().isa == narrowest
+
+
 def test_the_widest_build_the_cpu_runs_is_the_default(kernels, fresh_load, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     assert cpu_kernels.usable_isas() == ["avx2"]

@@ -248,32 +248,41 @@ def _check_float32(*tensors: torch.Tensor) -> None:
 
 @functools.cache
 def load(isa: str | None = None) -> CpuKernels | None:
-    """The kernels for ``isa`` (by default the widest this CPU runs), compiled if this machine has not
-    compiled this version yet; None where they cannot run."""
+    """The kernels for ``isa``, compiled if this machine has not compiled this version yet; by default
+    the widest build this CPU runs, or, without a compiler, the widest one built earlier (an image
+    provisioned on a narrower CPU). None where they cannot run."""
     usable = usable_isas()
     if not usable:
         logger.warning("the CPU kernels need an x86-64 CPU with %s (missing: %s); decode steps use torch's ops",
                        ", ".join(sorted(CPU_FLAGS)),
                        ", ".join(sorted(CPU_FLAGS - _cpu_flags())) or platform.machine())
         return None
-    isa = isa or usable[0]
-    if isa not in usable:
+    if isa is not None and isa not in usable:
         raise ValueError(f"this CPU cannot run the {isa} kernels (it runs: {', '.join(usable)})")
-    flags = (*FLAGS, *ISAS[isa][1])
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags]).encode()).hexdigest()[:16]
-    library = tandem_home() / "kernels" / f"cpu_kernels-{isa}-{key}.so"
+    candidates = [isa] if isa else usable
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    built = [name for name in candidates if _library(name).exists()]
+    if compiler is None and not built:
+        logger.warning("the CPU kernels need a C compiler (cc, gcc or $CC); decode steps use torch's ops")
+        return None
+    chosen = candidates[0] if compiler is not None else built[0]
     try:
-        if not library.exists():
-            if compiler is None:
-                logger.warning("the CPU kernels need a C compiler (cc, gcc or $CC); decode steps use torch's ops")
-                return None
-            _build(compiler, flags, library)
-        return CpuKernels(library, isa)
+        if not _library(chosen).exists():
+            _build(compiler, _flags(chosen), _library(chosen))
+        return CpuKernels(_library(chosen), chosen)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         logger.warning("could not build the CPU kernels with %s (%s); decode steps use torch's ops", compiler, detail)
         return None
+
+
+def _flags(isa: str) -> tuple[str, ...]:
+    return (*FLAGS, *ISAS[isa][1])
+
+
+def _library(isa: str) -> Path:
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *_flags(isa)]).encode()).hexdigest()[:16]
+    return tandem_home() / "kernels" / f"cpu_kernels-{isa}-{key}.so"
 
 
 def usable_isas() -> list[str]:
