@@ -67,9 +67,9 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="weights and activations dtype")
     parser.add_env_argument("--decode-weights", "TANDEM_DECODE_WEIGHTS", DEFAULT_DECODE_WEIGHTS,
                             choices=list(DECODE_WEIGHTS),
-                            help="float32 models on the CPU: the weights that decode steps (up to 8 rows) read; float16 "
-                                 "keeps a second, half-size copy for them, read by a kernel built on first use (AVX2 "
-                                 "CPUs with a C compiler; float32 elsewhere); float32 keeps none")
+                            help="float32 models on the CPU: the weights that decode steps (up to 32 rows) read; float16 "
+                                 "keeps a second, half-size copy for them, read by a kernel built on first use (AVX2 or "
+                                 "AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none")
     parser.add_env_argument("--threads", "TANDEM_THREADS", None, type=positive_int,
                             help="torch CPU threads (default: all cores)")
     parser.add_env_argument("--max-active", "TANDEM_MAX_ACTIVE", 8, type=positive_int,

@@ -214,7 +214,9 @@ def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
 
 
 @torch.inference_mode()
-def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(kernels, tiny_model):
+def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model):
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot run here (see the log for why)")
     engine = build_engine(str(tiny_model), "cpu", "float32", SchedulerConfig(max_num_batched_tokens=32),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="float16")
     model = engine.executor.model
@@ -241,7 +243,7 @@ def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_t
     assert max(compared_rows) == 4 and min(compared_rows) == 1  # decode steps of all four and of the last alone
 
 
-def test_decode_layers_take_only_packed_float16_weights(kernels):
+def test_decode_layers_take_only_packed_float16_weights():
     layer = {"input_norm": torch.ones(8), "post_attention_norm": torch.ones(8),
              **{name: torch.zeros(8, 8) for name in cpu_kernels.DecodeLayers.LINEARS},
              **{f"{name}_bias": None for name in cpu_kernels.DecodeLayers.LINEARS}}

@@ -228,9 +228,8 @@ class CausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.decode_layers is not None and meta.decode_block_tables is not None and not meta.prefills \
                 and len(input_ids) <= FEW_ROWS:
-            x, residual = self.norm.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
-                                                              meta.slot_mapping, k_cache, v_cache,
-                                                              meta.decode_block_tables)
+            x, residual = self.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
+                                                         meta.slot_mapping, k_cache, v_cache, meta.decode_block_tables)
         else:
             if self.uses_cpu_kernels:
                 cos, sin = cos_table, sin_table
@@ -286,21 +285,26 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child, kernels if f16 else None))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
-        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        linears = [dict(zip(DecodeLayers.LINEARS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)))
                    for layer in self.layers]
-        if usable and all(linear.f16_weight is not None for layer in linears for linear in layer):
+        if usable and all(linear.f16_weight is not None for named in linears for linear in named.values()):
             tables = [{"input_norm": layer.input_layernorm.weight,
                        "post_attention_norm": layer.post_attention_layernorm.weight,
-                       **{name: linear.f16_weight for name, linear in zip(DecodeLayers.LINEARS, layer_linears)},
-                       **{f"{name}_bias": linear.bias for name, linear in zip(DecodeLayers.LINEARS, layer_linears)}}
-                      for layer, layer_linears in zip(self.layers, linears)]
+                       **{name: linear.f16_weight for name, linear in named.items()},
+                       **{f"{name}_bias": linear.bias for name, linear in named.items()}}
+                      for layer, named in zip(self.layers, linears)]
             self.decode_layers = DecodeLayers(tables, self.config.hidden_size, attention.num_heads,
                                               attention.num_kv_heads, attention.head_dim,
                                               self.config.intermediate_size, self.norm.eps, attention.scale)
 
     @property
+    def cpu_kernels(self) -> CpuKernels | None:
+        return self.norm.cpu_kernels
+
+    @property
     def uses_cpu_kernels(self) -> bool:
-        return self.norm.cpu_kernels is not None
+        return self.cpu_kernels is not None
 
 
 # Steps of at most this many rows (decodes, short prompts) read the float16 copy of the weights, when
