@@ -121,17 +121,25 @@ def reference_attention(q, k_cache, v_cache, rows, lengths, block_size):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("heads, kv_heads, head_dim, lengths", [
-    (9, 3, 64, [1, 17, 600]),      # the default model's layout; one position, a block and one more, long
-    (4, 4, 32, [16, 33]),          # no grouping
-    (8, 1, 128, [5]),              # one key-value head for all
+@pytest.mark.parametrize("heads, kv_heads, head_dim, lengths, shared_blocks", [
+    (9, 3, 64, [1, 17, 600], 0),        # the default model's layout; one position, a block and one more, long
+    (4, 4, 32, [16, 33], 0),            # no grouping
+    (8, 1, 128, [5], 0),                # one key-value head for all
+    (9, 3, 64, [600], 0),               # a lone sequence: its context cut into pieces for the threads
+    (9, 3, 64, [520, 600, 530], 31),    # a shared prefix read once for all, then each sequence's own
+    (9, 3, 64, [600, 70, 599], 31),     # one context ends inside the shared blocks
+    (5, 1, 32, [200, 300], 4),          # rows of the shared pass not a multiple of three
 ])
-def test_decode_attention_reads_each_context_through_its_block_table(kernels, heads, kv_heads, head_dim, lengths):
+def test_decode_attention_reads_each_context_through_its_block_table(kernels, heads, kv_heads, head_dim, lengths,
+                                                                     shared_blocks):
     torch.manual_seed(head_dim)
     block_size, num_blocks = 16, 64
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim) * 2
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
     rows = [torch.randperm(num_blocks)[:-(-length // block_size)] for length in lengths]  # each its own length
+    if shared_blocks:  # a common prefix's blocks lead every table
+        prefix = rows[0][:shared_blocks]
+        rows = [torch.cat([prefix, row[~torch.isin(row, prefix)]])[:len(row)] for row in rows]
     qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * head_dim)  # queries read in place from a projection
     q = qkv[:, :heads * head_dim].view(len(lengths), heads, head_dim)
     block_tables = cpu_kernels.BlockTables(rows, lengths, block_size)

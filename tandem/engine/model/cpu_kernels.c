@@ -11,11 +11,13 @@
  *
  * tandem_decode_attention: one query token per sequence against its context in the paged KV cache,
  * read in place through the sequence's block table: one pass over the keys and values with an online
- * softmax, the query heads that share a key-value head together.
+ * softmax, the query heads that share a key-value head together, and the positions that all the
+ * sequences share (a common prompt prefix) read once for all of them.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define TILE_N 3
 
@@ -28,6 +30,12 @@ typedef __m512 chunk_vector;
 #define chunk_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define chunk_fmadd _mm512_fmadd_ps
 #define chunk_sum _mm512_reduce_add_ps
+#define chunk_store _mm512_storeu_ps
+#define chunk_mul _mm512_mul_ps
+#define chunk_set1 _mm512_set1_ps
+/* the sums of a vector's two halves */
+#define chunk_fold(v) \
+    _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
 #else
 #define TILE_M 4 /* 12 accumulators of the 16 vector registers */
 #define CHUNK 8
@@ -37,6 +45,10 @@ typedef __m256 chunk_vector;
 #define chunk_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define chunk_fmadd _mm256_fmadd_ps
 #define chunk_sum horizontal_sum
+#define chunk_store _mm256_storeu_ps
+#define chunk_mul _mm256_mul_ps
+#define chunk_set1 _mm256_set1_ps
+#define chunk_fold(v) (v)
 #endif
 
 static inline float horizontal_max(__m256 v)
@@ -146,7 +158,7 @@ static inline __m256 exp_nonpositive(__m256 x)
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define BLOCK_CHUNK 16 /* tokens scored at once */
+#define KEYS 16 /* keys scored at once */
 
 /* The eight sums of a[0..7], as one vector. */
 static inline __m256 horizontal_sums(const __m256 a[8])
@@ -156,133 +168,263 @@ static inline __m256 horizontal_sums(const __m256 a[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
-/* q · keys[t] for eight keys (a key past the context repeats the last one; its score is masked). */
-static inline __m256 dot8(const float *q, const float *const keys[8], int64_t head_dim)
+/* scores[h][t] = q[h] · keys[t] for `heads` query heads (a constant at each call site), q[h] head_dim
+ * floats after q[h - 1]: every key row is loaded once for all of them. */
+static inline __attribute__((always_inline)) void score_keys(
+    const float *q, const float *const keys[KEYS], int64_t head_dim, int heads, float (*scores)[KEYS])
 {
-    __m256 acc[8];
-    for (int t = 0; t < 8; t++)
-        acc[t] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head_dim; d += 8) {
-        __m256 qv = _mm256_loadu_ps(q + d);
-        for (int t = 0; t < 8; t++)
-            acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t] + d), acc[t]);
-    }
-    return horizontal_sums(acc);
-}
-
-/* acc[h] = acc[h] · corrections[h] + Σ_t scores[h][t] · values[t] for `heads` query heads (a constant at
- * each call site): every value row is loaded once for all of them, 32 dimensions at a time. */
-static inline __attribute__((always_inline)) void accumulate_values(
-    float (*acc)[MAX_HEAD_DIM], float (*scores)[BLOCK_CHUNK], const float *corrections,
-    const float *const values[BLOCK_CHUNK], int count, int64_t head_dim, int heads)
-{
-    for (int64_t d = 0; d < head_dim; d += 32) {
-        int lanes = head_dim - d >= 32 ? 4 : (int)(head_dim - d) / 8;
-        __m256 a[3][4];
-        for (int h = 0; h < heads; h++) {
-            __m256 correction = _mm256_set1_ps(corrections[h]);
-            for (int l = 0; l < lanes; l++)
-                a[h][l] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + d + 8 * l), correction);
-        }
-        for (int t = 0; t < count; t++) {
-            __m256 p[3];
+    for (int first = 0; first < KEYS; first += 8) {
+        __m256 partial[3][8];
+        for (int t = 0; t < 8; t++) {
+            chunk_vector sum[3];
             for (int h = 0; h < heads; h++)
-                p[h] = _mm256_broadcast_ss(&scores[h][t]);
-            for (int l = 0; l < lanes; l++) {
-                __m256 v = _mm256_loadu_ps(values[t] + d + 8 * l);
+                sum[h] = chunk_zero();
+            for (int64_t d = 0; d < head_dim; d += CHUNK) {
+                chunk_vector key = chunk_load(keys[first + t] + d);
                 for (int h = 0; h < heads; h++)
-                    a[h][l] = _mm256_fmadd_ps(p[h], v, a[h][l]);
+                    sum[h] = chunk_fmadd(chunk_load(q + h * head_dim + d), key, sum[h]);
             }
+            for (int h = 0; h < heads; h++)
+                partial[h][t] = chunk_fold(sum[h]);
         }
         for (int h = 0; h < heads; h++)
-            for (int l = 0; l < lanes; l++)
-                _mm256_storeu_ps(acc[h] + d + 8 * l, a[h][l]);
+            _mm256_storeu_ps(scores[h] + first, horizontal_sums(partial[h]));
     }
 }
 
-/* The query heads [first_head, first_head + group) of one sequence, all reading key-value head kv_head. */
-static void attend(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_table,
-                   int64_t context_len, int64_t block_size, int64_t kv_stride, int64_t kv_head, int group,
-                   int64_t head_dim, float scale, float *out)
+/* acc[h][d, d + lanes · CHUNK) = acc[h][…] · corrections[h] + Σ_t scores[h][t] · values[t][…] for `heads`
+ * query heads (`lanes` and `heads` constants at each call site, so the sums stay in registers): every
+ * value row is loaded once for all the heads. */
+static inline __attribute__((always_inline)) void accumulate_slice(
+    float (*acc)[MAX_HEAD_DIM], float (*scores)[KEYS], const float *corrections,
+    const float *const values[KEYS], int count, int64_t d, int lanes, int heads)
 {
-    float acc[MAX_GROUP][MAX_HEAD_DIM];
-    float running_max[MAX_GROUP], running_sum[MAX_GROUP];
-    float scores[MAX_GROUP][BLOCK_CHUNK], corrections[MAX_GROUP];
-    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int g = 0; g < group; g++) {
-        running_max[g] = -INFINITY;
-        running_sum[g] = 0.0f;
-        for (int64_t d = 0; d < head_dim; d++)
-            acc[g][d] = 0.0f;
+    chunk_vector a[3][4];
+    for (int h = 0; h < heads; h++) {
+        chunk_vector correction = chunk_set1(corrections[h]);
+        for (int l = 0; l < lanes; l++)
+            a[h][l] = chunk_mul(chunk_load(acc[h] + d + CHUNK * l), correction);
     }
-    for (int64_t start = 0; start < context_len; start += BLOCK_CHUNK) {
-        int count = context_len - start < BLOCK_CHUNK ? (int)(context_len - start) : BLOCK_CHUNK;
-        const float *keys[BLOCK_CHUNK], *values[BLOCK_CHUNK];
-        for (int t = 0; t < BLOCK_CHUNK; t++) {
-            int64_t position = start + (t < count ? t : count - 1);
-            int64_t slot = block_table[position / block_size] * block_size + position % block_size;
+    for (int t = 0; t < count; t++) {
+        chunk_vector p[3];
+        for (int h = 0; h < heads; h++)
+            p[h] = chunk_set1(scores[h][t]);
+        for (int l = 0; l < lanes; l++) {
+            chunk_vector v = chunk_load(values[t] + d + CHUNK * l);
+            for (int h = 0; h < heads; h++)
+                a[h][l] = chunk_fmadd(p[h], v, a[h][l]);
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int l = 0; l < lanes; l++)
+            chunk_store(acc[h] + d + CHUNK * l, a[h][l]);
+}
+
+/* The same over the whole head, four vectors at a time. */
+static inline __attribute__((always_inline)) void accumulate_values(
+    float (*acc)[MAX_HEAD_DIM], float (*scores)[KEYS], const float *corrections,
+    const float *const values[KEYS], int count, int64_t head_dim, int heads)
+{
+    int64_t d = 0;
+    for (; d + 4 * CHUNK <= head_dim; d += 4 * CHUNK)
+        accumulate_slice(acc, scores, corrections, values, count, d, 4, heads);
+    switch ((head_dim - d) / CHUNK) {
+    case 1: accumulate_slice(acc, scores, corrections, values, count, d, 1, heads); break;
+    case 2: accumulate_slice(acc, scores, corrections, values, count, d, 2, heads); break;
+    case 3: accumulate_slice(acc, scores, corrections, values, count, d, 3, heads); break;
+    }
+}
+
+/* Online-softmax attention state of query rows over the positions seen so far: their running maximum
+ * score, the running sum of e^(score - maximum), and the values weighted by those terms. */
+typedef struct {
+    float *max, *sum;
+    float (*acc)[MAX_HEAD_DIM];
+} attention_state;
+
+static void start_state(attention_state state, int rows, int64_t head_dim)
+{
+    for (int r = 0; r < rows; r++) {
+        state.max[r] = -INFINITY;
+        state.sum[r] = 0.0f;
+        for (int64_t d = 0; d < head_dim; d++)
+            state.acc[r][d] = 0.0f;
+    }
+}
+
+/* Folds the state of the same rows over further positions (`more`) into `state`. */
+static void merge_state(attention_state state, attention_state more, int rows, int64_t head_dim)
+{
+    for (int r = 0; r < rows; r++) {
+        float maximum = more.max[r] > state.max[r] ? more.max[r] : state.max[r];
+        float mine = state.max[r] == -INFINITY ? 0.0f : expf(state.max[r] - maximum);
+        float theirs = more.max[r] == -INFINITY ? 0.0f : expf(more.max[r] - maximum);
+        state.max[r] = maximum;
+        state.sum[r] = state.sum[r] * mine + more.sum[r] * theirs;
+        for (int64_t d = 0; d < head_dim; d++)
+            state.acc[r][d] = state.acc[r][d] * mine + more.acc[r][d] * theirs;
+    }
+}
+
+/* Advances the state of `rows` query rows (queries: rows × head_dim floats, already scaled) over
+ * positions [begin, end) of one key-value head, read through the block table, KEYS keys at a time: each
+ * key and value row is loaded from memory once for all the query rows, three at a time from L1. */
+static void attend_positions(const float *queries, int rows, attention_state state, const float *k_cache,
+                             const float *v_cache, const int64_t *block_table, int64_t begin, int64_t end,
+                             int64_t block_size, int64_t kv_stride, int64_t kv_head, int64_t head_dim)
+{
+    float scores[3][KEYS], corrections[3];
+    const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), past = _mm256_set1_ps(-INFINITY);
+    int64_t block = begin / block_size, offset = begin % block_size, slot = 0;
+    for (int64_t start = begin; start < end; start += KEYS) {
+        int count = end - start < KEYS ? (int)(end - start) : KEYS;
+        const float *keys[KEYS], *values[KEYS];
+        for (int t = 0; t < KEYS; t++) {
+            if (t < count) { /* a key past the range repeats the last one; its score is masked */
+                slot = block_table[block] * block_size + offset;
+                if (++offset == block_size) {
+                    offset = 0;
+                    block++;
+                }
+            }
             keys[t] = k_cache + slot * kv_stride + kv_head * head_dim;
             values[t] = v_cache + slot * kv_stride + kv_head * head_dim;
         }
-        __m256 scale_vector = _mm256_set1_ps(scale), past = _mm256_set1_ps(-INFINITY);
-        for (int g = 0; g < group; g++) {
-            __m256 chunk_maximum = _mm256_set1_ps(running_max[g]);
-            for (int t = 0; t < BLOCK_CHUNK; t += 8) {
-                __m256 score = _mm256_mul_ps(dot8(q + g * head_dim, keys + t, head_dim), scale_vector);
-                __m256 inside = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)t), lane_index),
-                                              _mm256_set1_ps((float)count), _CMP_LT_OQ);
-                score = _mm256_blendv_ps(past, score, inside);
-                _mm256_storeu_ps(scores[g] + t, score);
-                chunk_maximum = _mm256_max_ps(chunk_maximum, score);
+        for (int first = 0; first < rows; first += 3) {
+            int heads = rows - first < 3 ? rows - first : 3;
+            const float *q = queries + first * head_dim;
+            if (heads == 3)
+                score_keys(q, keys, head_dim, 3, scores);
+            else
+                for (int h = 0; h < heads; h++)
+                    score_keys(q + h * head_dim, keys, head_dim, 1, scores + h);
+            for (int h = 0; h < heads; h++) {
+                int r = first + h;
+                __m256 chunk_maximum = _mm256_set1_ps(state.max[r]);
+                for (int t = 0; t < KEYS; t += 8) {
+                    __m256 inside = _mm256_cmp_ps(_mm256_add_ps(_mm256_set1_ps((float)t), lane_index),
+                                                  _mm256_set1_ps((float)count), _CMP_LT_OQ);
+                    __m256 score = _mm256_blendv_ps(past, _mm256_loadu_ps(scores[h] + t), inside);
+                    _mm256_storeu_ps(scores[h] + t, score);
+                    chunk_maximum = _mm256_max_ps(chunk_maximum, score);
+                }
+                float chunk_max = horizontal_max(chunk_maximum);
+                float correction = state.max[r] == -INFINITY ? 0.0f : expf(state.max[r] - chunk_max);
+                state.max[r] = chunk_max;
+                __m256 total = _mm256_setzero_ps(), maximum = _mm256_set1_ps(chunk_max);
+                for (int t = 0; t < KEYS; t += 8) {
+                    __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores[h] + t), maximum));
+                    _mm256_storeu_ps(scores[h] + t, p);
+                    total = _mm256_add_ps(total, p);
+                }
+                state.sum[r] = state.sum[r] * correction + horizontal_sum(total);
+                corrections[h] = correction;
             }
-            float chunk_max = horizontal_max(chunk_maximum);
-            float correction = running_max[g] == -INFINITY ? 0.0f : expf(running_max[g] - chunk_max);
-            running_max[g] = chunk_max;
-            __m256 total = _mm256_setzero_ps(), maximum = _mm256_set1_ps(chunk_max);
-            for (int t = 0; t < BLOCK_CHUNK; t += 8) {
-                __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores[g] + t), maximum));
-                _mm256_storeu_ps(scores[g] + t, p);
-                total = _mm256_add_ps(total, p);
-            }
-            running_sum[g] = running_sum[g] * correction + horizontal_sum(total);
-            corrections[g] = correction;
+            if (heads == 3)
+                accumulate_values(state.acc + first, scores, corrections, values, count, head_dim, 3);
+            else
+                for (int h = 0; h < heads; h++)
+                    accumulate_values(state.acc + first + h, scores + h, corrections + h, values, count, head_dim,
+                                      1);
         }
-        int g = 0;
-        for (; g + 3 <= group; g += 3)
-            accumulate_values(acc + g, scores + g, corrections + g, values, count, head_dim, 3);
-        for (; g < group; g++)
-            accumulate_values(acc + g, scores + g, corrections + g, values, count, head_dim, 1);
-    }
-    for (int g = 0; g < group; g++) {
-        __m256 inverse = _mm256_set1_ps(1.0f / running_sum[g]);
-        for (int64_t d = 0; d < head_dim; d += 8)
-            _mm256_storeu_ps(out + g * head_dim + d, _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), inverse));
     }
 }
+
+/* Positions every sequence reads from the same blocks: the leading block-table entries all the tables
+ * hold, within every context. */
+static int64_t shared_positions(const int64_t *const *block_tables, const int64_t *context_lens, int64_t num_seqs,
+                                int64_t block_size)
+{
+    int64_t shortest = context_lens[0];
+    for (int64_t s = 1; s < num_seqs; s++)
+        shortest = context_lens[s] < shortest ? context_lens[s] : shortest;
+    int64_t blocks = (shortest + block_size - 1) / block_size;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t s = 1; s < num_seqs; s++)
+            if (block_tables[s][b] != block_tables[0][b])
+                return b * block_size;
+    return shortest;
+}
+
+#define MIN_SHARED (4 * KEYS) /* fewer shared positions are read with each sequence's own */
 
 /* q [num_seqs, num_heads, head_dim], each sequence's query q_stride floats after the last one's (the
  * heads of one sequence contiguous); out [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_slots,
  * num_kv_heads, head_dim] (one layer); block_tables [num_seqs]: each sequence's block ids, at least
- * ceil(context_len / block_size) of them; context_lens [num_seqs], each at least 1. Returns -1, computing
- * nothing, for a shape it does not take: head_dim not a multiple of 8 or above MAX_HEAD_DIM, more than
- * MAX_GROUP query heads per key-value head. */
+ * ceil(context_len / block_size) of them; context_lens [num_seqs], each at least 1.
+ *
+ * The positions all the sequences share (a common prefix's blocks, or a lone sequence's whole context)
+ * are read once for all of them, cut into pieces so that every thread has work: each piece leaves the
+ * attention state of every query row that reads its key-value head. Then each sequence's key-value
+ * heads merge those states and go on over the sequence's own positions.
+ *
+ * Returns -1, computing nothing, for a shape it does not take: head_dim not a multiple of CHUNK or above
+ * MAX_HEAD_DIM, more than MAX_GROUP query heads per key-value head; -2 where memory for the shared
+ * positions' states runs out. */
 int tandem_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                             const int64_t *const *block_tables, const int64_t *context_lens, int64_t num_seqs,
                             int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, float scale, float *out, int threads)
 {
-    int64_t group = num_heads / num_kv_heads;
-    if (head_dim % 8 || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads)
+    int64_t group = num_heads / num_kv_heads, kv_stride = num_kv_heads * head_dim;
+    if (head_dim % CHUNK || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads)
         return -1;
-    int64_t items = num_seqs * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t item = 0; item < items; item++) {
-        int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-        int64_t head = kv_head * group * head_dim;
-        attend(q + seq * q_stride + head, k_cache, v_cache, block_tables[seq], context_lens[seq], block_size,
-               num_kv_heads * head_dim, kv_head, (int)group, head_dim, scale,
-               out + seq * num_heads * head_dim + head);
+    int64_t shared = shared_positions(block_tables, context_lens, num_seqs, block_size);
+    if (shared < MIN_SHARED)
+        shared = 0;
+    int64_t pieces = shared ? (4 * threads + num_kv_heads - 1) / num_kv_heads : 0;
+    if (pieces > shared / MIN_SHARED)
+        pieces = shared / MIN_SHARED;
+    int64_t piece_len = pieces ? (shared + pieces - 1) / pieces : 0;
+    /* per piece and key-value head: the scaled queries, then the state, of all the query rows reading it */
+    int64_t rows = num_seqs * group, piece_floats = rows * (head_dim + MAX_HEAD_DIM + 2);
+    float *piece_memory = pieces ? malloc(sizeof(float) * pieces * num_kv_heads * piece_floats) : 0;
+    if (pieces && !piece_memory)
+        return -2;
+#define PIECE_QUERIES(p, h) (piece_memory + ((p) * num_kv_heads + (h)) * piece_floats)
+#define PIECE_STATE(p, h) ((attention_state){ \
+        .max = PIECE_QUERIES(p, h) + rows * head_dim, .sum = PIECE_QUERIES(p, h) + rows * head_dim + rows, \
+        .acc = (float (*)[MAX_HEAD_DIM])(PIECE_QUERIES(p, h) + rows * head_dim + 2 * rows)})
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < pieces * num_kv_heads; item++) {
+            int64_t piece = item / num_kv_heads, kv_head = item % num_kv_heads;
+            float *queries = PIECE_QUERIES(piece, kv_head);
+            attention_state state = PIECE_STATE(piece, kv_head);
+            for (int64_t s = 0; s < num_seqs; s++)
+                for (int64_t i = 0; i < group * head_dim; i++)
+                    queries[s * group * head_dim + i] = q[s * q_stride + kv_head * group * head_dim + i] * scale;
+            start_state(state, (int)rows, head_dim);
+            int64_t begin = piece * piece_len, end = begin + piece_len < shared ? begin + piece_len : shared;
+            attend_positions(queries, (int)rows, state, k_cache, v_cache, block_tables[0], begin, end, block_size,
+                             kv_stride, kv_head, head_dim);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+            int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads, head = kv_head * group * head_dim;
+            float queries[MAX_GROUP * MAX_HEAD_DIM], max[MAX_GROUP], sum[MAX_GROUP], acc[MAX_GROUP][MAX_HEAD_DIM];
+            attention_state state = {max, sum, acc};
+            for (int64_t i = 0; i < group * head_dim; i++)
+                queries[i] = q[seq * q_stride + head + i] * scale;
+            start_state(state, (int)group, head_dim);
+            for (int64_t piece = 0; piece < pieces; piece++) {
+                attention_state mine = PIECE_STATE(piece, kv_head);
+                mine.max += seq * group;
+                mine.sum += seq * group;
+                mine.acc += seq * group;
+                merge_state(state, mine, (int)group, head_dim);
+            }
+            attend_positions(queries, (int)group, state, k_cache, v_cache, block_tables[seq], shared,
+                             context_lens[seq], block_size, kv_stride, kv_head, head_dim);
+            for (int g = 0; g < group; g++)
+                for (int64_t d = 0; d < head_dim; d++)
+                    out[seq * num_heads * head_dim + head + g * head_dim + d] = acc[g][d] / sum[g];
+        }
     }
+#undef PIECE_QUERIES
+#undef PIECE_STATE
+    free(piece_memory);
     return 0;
 }
 
@@ -376,8 +518,8 @@ typedef struct {
  * hidden] comes in as zeros and leaves as the residual stream before it (the hidden state is their sum).
  * k_cache, v_cache: [num_layers, slots, kv_heads, head_dim], cache_layer_size floats per layer. scratch
  * holds rows · (hidden + qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per
- * layer takes the dispatch of each op out of the step. Returns -1 where decode attention does not take
- * the shape. */
+ * layer takes the dispatch of each op out of the step. Returns decode attention's status where it is not
+ * 0. */
 int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const tandem_layer_shape *shape,
                          int64_t rows, float *x, float *residual, const int64_t *positions, const float *cos_table,
                          const float *sin_table, const int64_t *slot_mapping, float *k_cache, float *v_cache,
@@ -395,10 +537,11 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
         tandem_linear_f16(normed, rows, hidden, layer->qkv, qkv_size, layer->qkv_bias, qkv, threads);
         tandem_rope_and_cache(qkv, rows, shape->num_heads, shape->num_kv_heads, shape->head_dim, positions,
                               cos_table, sin_table, slot_mapping, keys, values, threads);
-        if (tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, rows, block_size,
-                                    shape->num_heads, shape->num_kv_heads, shape->head_dim, shape->scale,
-                                    attention, threads))
-            return -1;
+        int status = tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, rows,
+                                             block_size, shape->num_heads, shape->num_kv_heads, shape->head_dim,
+                                             shape->scale, attention, threads);
+        if (status)
+            return status;
         tandem_linear_f16(attention, rows, q_size, layer->o, hidden, layer->o_bias, x, threads);
         tandem_rms_norm(x, residual, layer->post_attention_norm, rows, hidden, shape->eps, normed, threads);
         tandem_linear_f16(normed, rows, hidden, layer->gate_up, 2 * shape->intermediate, layer->gate_up_bias,

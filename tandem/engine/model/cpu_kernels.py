@@ -106,9 +106,7 @@ class CpuKernels:
                                         block_tables.pointers.data_ptr(), block_tables.context_lens.data_ptr(), seqs,
                                         block_tables.block_size, heads, k_cache.shape[1], head_dim, scale,
                                         out.data_ptr(), torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"decode_attention does not take {heads} heads over {k_cache.shape[1]} key-value "
-                             f"heads of size {head_dim}")
+        _check_attention_status(status, "decode_attention", heads, k_cache.shape[1], head_dim)
         return out
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -168,15 +166,12 @@ class CpuKernels:
                                      v_cache.data_ptr(), k_cache[0].numel(), block_tables.pointers.data_ptr(),
                                      block_tables.context_lens.data_ptr(), block_tables.block_size, scratch.data_ptr(),
                                      torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"decode_layers does not take {shape.num_heads} heads over {shape.num_kv_heads} "
-                             f"key-value heads of size {shape.head_dim}")
+        _check_attention_status(status, "decode_layers", shape.num_heads, shape.num_kv_heads, shape.head_dim)
         return x, residual
 
-    @staticmethod
-    def supports_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    def supports_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``decode_attention`` takes this head layout (see ``tandem_decode_attention``)."""
-        return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 \
+        return head_dim % self.chunk == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0 \
             and num_heads // num_kv_heads <= 16
 
 
@@ -237,6 +232,13 @@ class BlockTables:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+def _check_attention_status(status: int, kernel: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    if status == -2:
+        raise MemoryError(f"{kernel} could not allocate the attention states of the positions its sequences share")
+    if status != 0:
+        raise ValueError(f"{kernel} does not take {heads} heads over {kv_heads} key-value heads of size {head_dim}")
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:
