@@ -15,6 +15,22 @@ WORKER_SCORE = Histogram(
     ["worker", "policy"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),
 )
 
+OUTPUT_FRACTION = Gauge("tandem_router_output_fraction",
+                        "Learned share of max_new_tokens that requests generate, by length_key (empty: all requests)",
+                        ["length_key"])
+OUTPUT_FRACTION_SAMPLES = Gauge("tandem_router_output_fraction_samples",
+                                "Finished requests each learned output share comes from, by length_key", ["length_key"])
+
+
+def set_output_fraction(key: str, fraction: float | None, samples: int) -> None:
+    """Publish one key's learned output share (``router_svc.output_lengths``); None: the key was forgotten."""
+    if fraction is None:
+        OUTPUT_FRACTION.remove(key)
+        OUTPUT_FRACTION_SAMPLES.remove(key)
+        return
+    OUTPUT_FRACTION.labels(key).set(fraction)
+    OUTPUT_FRACTION_SAMPLES.labels(key).set(samples)
+
 
 RPCS = Counter("tandem_router_rpcs_total", "RPCs by method and final gRPC status code (errors included)",
                ["method", "code"])

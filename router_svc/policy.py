@@ -69,9 +69,26 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class RouteInput:
+    """The request as the policies see it.
+
+    ``expected_new_tokens``: what it is expected to generate (learned, ``router_svc.output_lengths``; 0:
+    the whole budget). ``output_fraction``: the share of their remaining budgets queued requests are
+    expected to use. Both price the output the request is expected to produce, not its budget.
+    """
+
     prompt_tokens: int
     max_new_tokens: int
     sequence: int = 0  # how many requests the router routed before this one (round_robin)
+    expected_new_tokens: int = 0
+    output_fraction: float = 1.0
+
+    @property
+    def expected_output(self) -> int:
+        return self.expected_new_tokens or self.max_new_tokens
+
+    def expected_remaining(self, decode_budget: int) -> int:
+        """A queued request's expected remaining output, from its remaining budget."""
+        return min(decode_budget, math.ceil(decode_budget * self.output_fraction))
 
 
 @dataclass(frozen=True)
@@ -90,9 +107,11 @@ class Decision:
 
 
 def cost_score(view: WorkerView, request: RouteInput) -> Score:
-    """The article's score: remaining prefill / prefill rate + remaining decode budget / decode rate."""
+    """The article's score: remaining prefill / prefill rate + remaining decode / decode rate, the decode
+    work being the output expected of the queue and of the request (their budgets until it is learned)."""
     prefill_tokens = view.pending_prefill_tokens + max(0, request.prompt_tokens - view.cached_tokens)
-    decode_tokens = view.pending_decode_tokens + request.max_new_tokens
+    decode_tokens = sum(request.expected_remaining(work.decode_tokens) for work in view.queue) \
+        + request.expected_output
     prefill_s = prefill_tokens / view.prefill_tok_s
     decode_s = decode_tokens / view.decode_tok_s
     return Score(view.name, prefill_s + decode_s, prefill_s, decode_s)
@@ -104,13 +123,15 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
     Plays the worker's queue forward with its slots (``max_active_requests``), its per-step token
     budget and its step-time model: a step costs base + per_prefill_token * prefill tokens +
     per_decode * decoding requests. Unlike the cost score, this sees the wait for a free slot and
-    that a batch decodes in parallel. Remaining budgets are upper bounds (max_new_tokens).
+    that a batch decodes in parallel. Outputs are the expected ones (``RouteInput``), at least one token.
     """
     slots = max(1, view.max_active_requests)
     chunk_limit = max(1, view.max_num_batched_tokens)
-    running = [[w.prefill_tokens, w.decode_tokens] for w in view.queue if w.running]
-    waiting = [[w.prefill_tokens, w.decode_tokens] for w in view.queue if not w.running]
-    target = [max(1, request.prompt_tokens - view.cached_tokens), request.max_new_tokens]
+    running = [[w.prefill_tokens, max(1, request.expected_remaining(w.decode_tokens))] for w in view.queue
+               if w.running]
+    waiting = [[w.prefill_tokens, max(1, request.expected_remaining(w.decode_tokens))] for w in view.queue
+               if not w.running]
+    target = [max(1, request.prompt_tokens - view.cached_tokens), request.expected_output]
     waiting.append(target)
     clock = 0.0
     while True:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from router_svc import metrics
 from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry, probe_all
+from router_svc.output_lengths import OutputLengths
 from router_svc.policy import RouteInput
 from router_svc.routing import Failover, RoutingError, Status, WorkerCallFailed, WorkerStatus, route
 from tandem.decision import RoutingDecision
@@ -29,7 +30,8 @@ class RoutedRequest:
     """A validated, tokenized request, ready to route.
 
     ``worker_request`` is the message the chosen worker receives; ``deadline`` is a ``time.monotonic()``
-    instant, or None for none; ``frontend`` labels the request's metrics.
+    instant, or None for none; ``frontend`` labels the request's metrics; ``length_key`` groups requests
+    whose output lengths are learned together.
     """
 
     request_id: str
@@ -39,6 +41,7 @@ class RoutedRequest:
     worker_request: worker_pb2.GenerateRequest
     deadline: float | None = None
     frontend: str = "grpc"
+    length_key: str = ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -60,6 +63,7 @@ class Router:
         self.registry = registry
         self.admission = admission
         self.probe_deadline_s = probe_deadline_s
+        self.output_lengths = OutputLengths(on_update=metrics.set_output_fraction)
         self._sequence = 0
 
     async def generate(self, request: RoutedRequest, span) -> AsyncIterator[RoutingDecision | WorkerOutput]:
@@ -96,6 +100,8 @@ class Router:
                         streamed += len(response.token_ids)
                         if response.HasField("result"):
                             _record_result(span, response.result)
+                            self.output_lengths.observe(request.length_key, response.result.usage.output_tokens,
+                                                        request.max_new_tokens)
                             metrics.E2E.labels(request.frontend).observe(time.monotonic() - started)
                         yield WorkerOutput(backend.name, response)
                     return
@@ -128,8 +134,11 @@ class Router:
                 b.view(estimate) for b, estimate in zip(candidates, estimates)
                 if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING
             ]
-            decision = route(request.policy, RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence),
-                             views, self._workers(), failover)
+            lengths = self.output_lengths
+            route_input = RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence,
+                                     lengths.expected_tokens(request.length_key, request.max_new_tokens),
+                                     lengths.fraction())
+            decision = route(request.policy, route_input, views, self._workers(), failover, request.length_key)
         except RoutingError as exc:
             mark_failed_status(route_span, exc.status.name, str(exc))
             raise

@@ -152,7 +152,7 @@ class Failover:
 
 
 def route(policy: str, request: RouteInput, views: Sequence[WorkerView], workers: Sequence[WorkerStatus],
-          failover: Failover) -> RoutingDecision:
+          failover: Failover, length_key: str = "") -> RoutingDecision:
     """Choose a worker among ``views`` by ``policy``; every other worker in ``workers`` is listed as ineligible.
 
     Raises:
@@ -170,7 +170,7 @@ def route(policy: str, request: RouteInput, views: Sequence[WorkerView], workers
             scores.append(WorkerScore(worker.name, worker.kind, eligible=False,
                                       reason=str(failure) if failure else worker.status))
     return RoutingDecision(policy, decision.chosen, request.prompt_tokens, request.max_new_tokens, tuple(scores),
-                           failover.failed_workers)
+                           failover.failed_workers, request.expected_output, length_key)
 
 
 def _score(view: WorkerView, score: Score, policy: str) -> WorkerScore:

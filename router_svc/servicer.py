@@ -8,6 +8,7 @@ import uuid
 import grpc
 
 from router_svc import metrics
+from router_svc.output_lengths import check_length_key
 from router_svc.policy import POLICIES
 from router_svc.router import RoutedRequest, Router
 from router_svc.routing import RoutingError
@@ -59,7 +60,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def ListBackends(self, request: router_pb2.ListBackendsRequest, context: grpc.aio.ServicerContext):
         return router_pb2.ListBackendsResponse(
-            backends=[b.message() for b in self.router.registry.listed()])
+            backends=[b.message() for b in self.router.registry.listed()],
+            output_lengths=[router_pb2.LearnedOutputLength(key=learned.key, fraction=learned.fraction,
+                                                           samples=learned.samples)
+                            for learned in self.router.output_lengths.learned()])
 
     async def _prepare(self, message: router_pb2.RouteRequest, context) -> RoutedRequest:
         try:
@@ -73,6 +77,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
         if message.max_new_tokens <= 0:
             raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {message.max_new_tokens}")
+        check_length_key("length_key", message.length_key)
         sampling_params(message.sampling)  # validated here, so a bad value never costs a routing decision
         prompt = await prompt_token_ids(message, self.tokenizer)
         request_id = message.request_id or uuid.uuid4().hex
@@ -82,7 +87,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             stop=message.stop, stop_token_ids=message.stop_token_ids, ignore_eos=message.ignore_eos,
         )
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
-        return RoutedRequest(request_id, prompt, message.max_new_tokens, policy, worker_request, deadline)
+        return RoutedRequest(request_id, prompt, message.max_new_tokens, policy, worker_request, deadline,
+                             length_key=message.length_key)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: RoutingError | InvalidRequestError) -> None:

@@ -55,6 +55,8 @@ def _run(argv: list[str]) -> int:
     generate.add_argument("--max-new-tokens", type=int, default=128)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--policy", default="", help="routing policy for this request (default: the router's)")
+    generate.add_argument("--length-key", default="",
+                          help="group whose output lengths the router learns together (default: all requests)")
     generate.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
     generate.add_argument("--explain", action="store_true", help="print the routing decision table first")
     generate.add_argument("--dry-run", action="store_true", help="only print the decision (Explain); run nothing")
@@ -132,7 +134,8 @@ def _call_router(args: argparse.Namespace) -> int:
             print(format_backends(client.backends()))
             return 0
         request = RouterClient.request(args.prompt, chat=not args.raw, max_new_tokens=args.max_new_tokens,
-                                       temperature=args.temperature, policy=args.policy)
+                                       temperature=args.temperature, policy=args.policy,
+                                       length_key=args.length_key)
         if args.dry_run:
             print(format_decision(client.explain(request, span=span)))
             return 0

@@ -45,9 +45,8 @@ class RouterClient:
         return self.stub.Explain(router_pb2.ExplainRequest(request=request), timeout=timeout,
                                  metadata=self._metadata(span)).decision
 
-    def backends(self, timeout: float = 10.0) -> list[router_pb2.Backend]:
-        return list(self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=timeout,
-                                           metadata=self._metadata(None)).backends)
+    def backends(self, timeout: float = 10.0) -> router_pb2.ListBackendsResponse:
+        return self.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=timeout, metadata=self._metadata(None))
 
     def close(self) -> None:
         self.channel.close()
@@ -58,7 +57,9 @@ def format_decision(decision: router_pb2.RoutingDecision) -> str:
     return decision_from_message(decision).table()
 
 
-def format_backends(backends: list[router_pb2.Backend]) -> str:
+def format_backends(listing: router_pb2.ListBackendsResponse) -> str:
+    """The workers' states, one row each, then the learned output lengths."""
+    backends = listing.backends
     width = max([10, *(len(b.name) + 2 for b in backends)])
     header = (f"{'worker':<{width}}{'kind':<6}{'address':<22}{'device':<8}{'status':<12}{'run':>5}{'wait':>5}"
               f"{'prefill':>9}{'decode':>8}{'prefill/s':>11}{'decode/s':>10}{'routed':>8}{'inflight':>9}")
@@ -72,4 +73,7 @@ def format_backends(backends: list[router_pb2.Backend]) -> str:
             f"{state.rates.prefill_tokens_per_s:>11.0f}{state.rates.decode_tokens_per_s:>10.0f}"
             f"{b.routed_requests:>8}{b.inflight_requests:>9}"
         )
+    lines.append("output used of max_new_tokens, learned: " + ", ".join(
+        f"{learned.key or 'all requests'} {learned.fraction:.0%} ({learned.samples} requests)"
+        for learned in listing.output_lengths))
     return "\n".join(lines)

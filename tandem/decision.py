@@ -55,6 +55,8 @@ class RoutingDecision:
     max_new_tokens: int
     scores: tuple[WorkerScore, ...]
     failed_workers: tuple[str, ...] = ()
+    expected_new_tokens: int = 0
+    length_key: str = ""
 
     @property
     def chosen(self) -> WorkerScore:
@@ -65,6 +67,7 @@ class RoutingDecision:
         return {
             "event": "route", "request_id": request_id, "policy": self.policy, "chosen": self.chosen_worker,
             "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
+            "expected_new_tokens": self.expected_new_tokens, "length_key": self.length_key,
             "failed_workers": list(self.failed_workers),
             "scores": [{name: getattr(s, name) for name in _FIELDS} for s in self.scores],
         }
@@ -76,6 +79,8 @@ class RoutingDecision:
             "tandem.routing.chosen_worker": self.chosen_worker,
             "tandem.routing.cached_tokens": self.chosen.cached_tokens,
             "tandem.routing.failed_workers": list(self.failed_workers),
+            "tandem.routing.expected_new_tokens": self.expected_new_tokens,
+            "tandem.routing.length_key": self.length_key,
         }
         for s in self.scores:
             prefix = f"tandem.routing.worker.{s.worker}"
@@ -92,6 +97,7 @@ class RoutingDecision:
         widths = [max(len(heading) + 2, 9) for _, heading, _ in _COLUMNS]
         lines = [
             f"policy {self.policy}: {self.prompt_tokens} prompt tokens, {self.max_new_tokens} new "
+            f"({self.expected_new_tokens} expected{f' for {self.length_key!r}' if self.length_key else ''}) "
             f"-> {self.chosen_worker}{failed}",
             f"  {'worker':<10}" + "".join(f"{heading:>{w}}" for (_, heading, _), w in zip(_COLUMNS, widths)),
         ]

@@ -32,6 +32,7 @@ from sse_starlette import EventSourceResponse
 
 from router_svc import metrics
 from router_svc.http.schema import ChatCompletionRequest, CompletionRequest, without_unhonoured
+from router_svc.output_lengths import check_length_key
 from router_svc.policy import POLICIES
 from router_svc.router import RoutedRequest, Router, WorkerOutput
 from router_svc.routing import RoutingError, Status
@@ -177,7 +178,8 @@ class OpenAIFrontEnd:
     async def backends(self, request: Request) -> JSONResponse:
         self._authorize(request)
         return JSONResponse({"backends": [json_format.MessageToDict(b.message(), preserving_proto_field_name=True)
-                                          for b in self.router.registry.listed()]})
+                                          for b in self.router.registry.listed()],
+                             "output_lengths": [asdict(learned) for learned in self.router.output_lengths.learned()]})
 
     async def health(self, request: Request) -> Response:
         healthy = self.router.registry.healthy()
@@ -229,6 +231,11 @@ class OpenAIFrontEnd:
         policy = (body.tandem.policy if body.tandem else None) or self.default_policy
         if policy not in POLICIES:
             raise HttpError(400, f"tandem.policy: must be one of {', '.join(POLICIES)}; got {policy!r}", "tandem.policy")
+        length_key = body.tandem.length_key if body.tandem else ""
+        try:
+            check_length_key("tandem.length_key", length_key)
+        except InvalidRequestError as exc:
+            raise HttpError.of(exc) from None
         limits = self.router.registry.model_limits()
         if limits is not None:
             context_length, vocab_size = limits  # the context, or the largest KV cache where that is less
@@ -254,7 +261,8 @@ class OpenAIFrontEnd:
             request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens,
             sampling=sampling, stop=body.stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
         )
-        return RoutedRequest(request_id, prompt, max_new_tokens, policy, worker_request, deadline, frontend="http")
+        return RoutedRequest(request_id, prompt, max_new_tokens, policy, worker_request, deadline, frontend="http",
+                             length_key=length_key)
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)

@@ -27,9 +27,11 @@ class StreamOptions(_Strict):
 
 
 class TandemOptions(_Strict):
-    """Tandem's own extension: ``{"tandem": {"policy": "finish_time"}}``."""
+    """Tandem's own extension: ``{"tandem": {"policy": "finish_time", "length_key": "summaries"}}``
+    (``length_key``: see RouteRequest.length_key)."""
 
     policy: str | None = None
+    length_key: str = ""
 
 
 class TextPart(_Strict):

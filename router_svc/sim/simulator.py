@@ -13,6 +13,7 @@ import itertools
 import zlib
 from dataclasses import dataclass, field
 
+from router_svc.output_lengths import OutputLengths
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, QueuedWork, RouteInput, WorkerView
 from router_svc.routing import WorkerReport, build_view
 from router_svc.sim.profiles import WorkerProfile
@@ -154,6 +155,7 @@ def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str 
         for prefix in workload.warm_prefixes:
             worker.warm(prefix)
     result = SimResult(policy, dict(workers), [])
+    lengths = OutputLengths()  # learned from finished requests, as the router learns them
     pending: dict[str, tuple[float, str]] = {}  # req_id -> (arrival, worker)
     steps: list[tuple[float, int, int]] = []  # (end time, worker index, tie-breaker)
     order = itertools.count()
@@ -174,11 +176,12 @@ def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str 
                 result.records.append(RequestRecord(request.req_id, name, arrival_s, request.first_token_time,
                                                     clock.now, request.num_output_tokens, OK,
                                                     request.num_cached_tokens))
+                lengths.observe("", request.num_output_tokens, request.max_new_tokens)
             start(index)
         elif next_arrival is not None:
             request, next_arrival = next_arrival, next(arrivals, None)
             clock.now = request.arrival_s
-            _route(request, sim_workers, decide, sequence, result, pending, keep_decisions)
+            _route(request, sim_workers, decide, sequence, lengths, result, pending, keep_decisions)
             for index in range(len(sim_workers)):
                 start(index)
         else:
@@ -200,12 +203,14 @@ def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str 
     return result
 
 
-def _route(request: WorkloadRequest, workers: list[SimWorker], decide, sequence: int, result: SimResult,
-           pending: dict, keep_decisions: bool) -> None:
+def _route(request: WorkloadRequest, workers: list[SimWorker], decide, sequence: int, lengths: OutputLengths,
+           result: SimResult, pending: dict, keep_decisions: bool) -> None:
     eligible = [w for w in workers if w.fits(request)]
     views = [w.view(request.prompt_token_ids) for w in eligible]
+    route_input = RouteInput(len(request.prompt_token_ids), request.max_new_tokens, sequence,
+                             lengths.expected_tokens("", request.max_new_tokens), lengths.fraction())
     try:
-        decision = decide(views, RouteInput(len(request.prompt_token_ids), request.max_new_tokens, sequence))
+        decision = decide(views, route_input)
     except NoEligibleWorker:
         status = "INVALID_ARGUMENT" if not eligible else "UNAVAILABLE"
         result.records.append(RequestRecord(request.req_id, "", request.arrival_s, None, request.arrival_s, 0, status))

@@ -135,6 +135,7 @@ async def test_the_async_client_streams(stack):
     (dict(top_p=0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(extra_body={"tandem": {"policy": "fastest"}}), "tandem.policy"),
+    (dict(extra_body={"tandem": {"length_key": "k" * 200}}), "tandem.length_key"),
     (dict(extra_body={"no_such_field": 1}), "no_such_field"),
     (dict(messages=[{"role": "robot", "content": "hi"}]), "messages.0.role"),
 ])
@@ -192,13 +193,17 @@ def test_the_sse_framing_byte_for_byte(stack):
 def test_health_metrics_explain_and_backends(stack):
     router, url, _ = stack
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
-    httpx.post(f"{url}/v1/completions", json={"model": ALIAS, "prompt": [4, 5], "max_tokens": 2}, timeout=60)
+    httpx.post(f"{url}/v1/completions", json={"model": ALIAS, "prompt": [4, 5], "max_tokens": 2, "ignore_eos": True,
+                                              "tandem": {"length_key": "http-key"}}, timeout=60)
     metrics = httpx.get(f"{url}/metrics").text
+    assert 'tandem_router_output_fraction_samples{length_key="http-key"} 1.0' in metrics
     assert 'tandem_router_time_to_first_token_seconds_count{frontend="http"}' in metrics
     decision = httpx.post(f"{url}/tandem/v1/explain", json={"model": ALIAS, "prompt": [4, 5], "max_tokens": 2}).json()
     assert decision["chosen_worker"] in ("cpu", "gpu") and {s["worker"] for s in decision["scores"]} == {"cpu", "gpu"}
-    backends = httpx.get(f"{url}/tandem/v1/backends").json()["backends"]
+    listing = httpx.get(f"{url}/tandem/v1/backends").json()
+    backends = listing["backends"]
     assert {b["name"] for b in backends} == {"cpu", "gpu"} and all(b["healthy"] for b in backends)
+    assert {"key": "http-key", "fraction": 1.0, "samples": 1} in listing["output_lengths"]  # 2 of 2 tokens
     assert scrape_metrics(router)  # the gRPC side's metrics port serves the same registry
 
 

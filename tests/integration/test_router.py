@@ -257,3 +257,32 @@ def test_failover_mid_stream_failure_and_restart(tiny_llama, tmp_path):
         finally:
             router.close()
             slow.close()
+
+
+def test_the_router_learns_a_length_keys_output_share_and_routes_by_it(stack, tiny_llama):
+    from router_svc.output_lengths import OutputLengths
+
+    router, _ = stack
+    prompt = list(range(300, 330))
+    greedy = hf_greedy(tiny_llama, prompt, 16)
+    stop_after = greedy.index(greedy[2]) + 1  # stops at the first occurrence of the third greedy token
+    replay = OutputLengths()
+    for _ in range(4):
+        request = route(prompt, 16, length_key="short-replies", stop_token_ids=[greedy[2]])
+        result = list(router.stub.Generate(request, timeout=60))[-1].result
+        assert result.usage.output_tokens == stop_after < 16
+        replay.observe("short-replies", result.usage.output_tokens, 16)
+    explained = router.stub.Explain(router_pb2.ExplainRequest(request=route(prompt, 16, length_key="short-replies")),
+                                    timeout=10).decision
+    assert explained.length_key == "short-replies"
+    assert explained.expected_new_tokens == replay.expected_tokens("short-replies", 16) < 16
+    listing = router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5)
+    learned = {entry.key: entry for entry in listing.output_lengths}
+    assert learned["short-replies"].samples == 4
+    assert learned["short-replies"].fraction == pytest.approx(replay.fraction("short-replies"))
+    assert learned[""].samples >= 4  # the figure over all requests
+    assert scrape_metrics(router)[("tandem_router_output_fraction", (("length_key", "short-replies"),))] == \
+        pytest.approx(replay.fraction("short-replies"))
+    with pytest.raises(grpc.RpcError) as info:
+        list(router.stub.Generate(route(prompt, 4, length_key="\x00"), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("length_key:")

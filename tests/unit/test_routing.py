@@ -204,7 +204,7 @@ def test_span_attributes_name_the_choice_and_each_eligible_workers_parts():
 
 def test_the_table_marks_the_choice_and_explains_ineligible_workers():
     lines = decision().table().splitlines()
-    assert lines[0] == "policy cost: 516 prompt tokens, 128 new -> gpu (after failures: down)"
+    assert lines[0] == "policy cost: 516 prompt tokens, 128 new (128 expected) -> gpu (after failures: down)"
     assert lines[1].split() == ["worker", "score", "s", "cached", "prefill", "decode", "inflight", "prefill/s",
                                 "decode/s", "source"]
     assert lines[2].startswith("* gpu") and lines[2].split()[3] == "496" and lines[2].endswith("estimate")
