@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-router bench-weights bench-step bench-peers soak compose-test clean
+.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-matrix bench-router bench-weights bench-step bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -44,6 +44,11 @@ bench-worker: setup
 
 bench-seed: setup
 	$(PY) bench/seed.py
+
+# The routing policies against the best-tuned GPU-only setup over a matrix of scenarios (simulation):
+# bench/results/matrix.json.
+bench-matrix: setup
+	$(PY) bench/matrix.py
 
 bench-router: setup
 	$(PY) bench/router.py

@@ -124,19 +124,24 @@ class Backend:
     def view(self, estimate: common_pb2.BackendState | None) -> WorkerView:
         """This worker's view for a policy: the fresh estimate (or the latest snapshot) plus credit."""
         report = self.report(estimate if estimate is not None else self.state)
-        return build_view(report, estimate.cached_tokens if estimate is not None else 0, self.credits.values(),
-                          "estimate" if estimate is not None else "snapshot")
+        if estimate is None:
+            return build_view(report, 0, self.credits.values(), "snapshot")
+        return build_view(report, estimate.cached_tokens, self.credits.values(), "estimate",
+                          estimate.cached_tokens_evictable)
 
     def report(self, state: common_pb2.BackendState) -> WorkerReport:
         rates = state.rates
         return WorkerReport(
             name=self.name, kind=self.kind, device=state.device,
-            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens, request_id=r.request_id)
+            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens, request_id=r.request_id,
+                                      cached_tokens=r.cached_tokens)
                            for r in state.requests),
             max_active_requests=state.max_active_requests, max_num_batched_tokens=self.info.max_num_batched_tokens,
             prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
             step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
-            step_per_decode_s=rates.step_per_decode_s,
+            step_per_decode_s=rates.step_per_decode_s, block_size=state.block_size or 16,
+            kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
+            kv_blocks_cached=state.kv_blocks_cached,
         )
 
     def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span) -> "WorkerCall":

@@ -15,13 +15,15 @@ from functools import cached_property
 @dataclass(frozen=True)
 class QueuedWork:
     """One request's remaining work on a worker: as reported, or ``credited`` by the router (dispatched, and
-    not in the worker's report yet)."""
+    not in the worker's report yet). ``cached_tokens``: for a waiting request, the prompt tokens it counts
+    on the prefix cache for."""
 
     running: bool
     prefill_tokens: int
     decode_tokens: int
     credited: bool = False
     request_id: str = ""
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,9 @@ class WorkerView:
     """What the router knows about one worker when it decides.
 
     ``queue`` is every request on the worker, in-flight credit included; the totals are derived from it.
-    ``step_*`` is the worker's fitted step-time model.
+    ``step_*`` is the worker's fitted step-time model. ``cached_evictable_tokens``: of ``cached_tokens``,
+    those in blocks no request holds. ``kv_blocks_*``: the worker's KV cache, in blocks of ``block_size``
+    tokens (total 0: unknown, and the policies ignore KV capacity).
     """
 
     name: str
@@ -45,6 +49,11 @@ class WorkerView:
     queue: tuple[QueuedWork, ...] = ()
     device: str = ""
     state_source: str = "estimate"
+    cached_evictable_tokens: int = 0
+    block_size: int = 16
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
 
     @cached_property
     def num_running(self) -> int:
@@ -106,10 +115,47 @@ class Decision:
     scores: tuple[Score, ...] = field(default_factory=tuple)
 
 
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Evictions:
+    """The queue's prefill and the new prompt's cache hit once evictions are counted (``play_evictions``)."""
+
+    prefill_tokens: tuple[int, ...]  # per queued request, in queue order
+    cached_tokens: int  # of the new prompt
+
+
+def play_evictions(view: WorkerView, request: RouteInput) -> Evictions:
+    """Walks the queue in order. Each request takes new KV blocks for its uncomputed prompt and expected
+    output: first the free blocks that cache nothing, then by evicting cached ones. A waiting request's
+    cache hit, and the new prompt's evictable one (blocks no request holds), count only as far as the
+    requests ahead of it have not needed to evict: a hit that queued work will evict first is no hit,
+    and its tokens are prefilled instead.
+    """
+    prefill = [work.prefill_tokens for work in view.queue]
+    if not view.kv_blocks_total:
+        return Evictions(tuple(prefill), view.cached_tokens)
+    spare = view.kv_blocks_total - view.kv_blocks_used - view.kv_blocks_cached
+    demand = 0
+
+    def evicted(cached_tokens: int) -> int:
+        return min(cached_tokens, max(0, demand - spare) * view.block_size)
+
+    for index, work in enumerate(view.queue):
+        if not work.running:
+            prefill[index] += evicted(work.cached_tokens)
+        demand += _blocks(prefill[index] + request.expected_remaining(work.decode_tokens), view.block_size)
+    return Evictions(tuple(prefill), view.cached_tokens - evicted(view.cached_evictable_tokens))
+
+
 def cost_score(view: WorkerView, request: RouteInput) -> Score:
     """The article's score: remaining prefill / prefill rate + remaining decode / decode rate, the decode
-    work being the output expected of the queue and of the request (their budgets until it is learned)."""
-    prefill_tokens = view.pending_prefill_tokens + max(0, request.prompt_tokens - view.cached_tokens)
+    work being the output expected of the queue and of the request (their budgets until it is learned),
+    and the prefill grown by the cache hits the queue will evict first (``play_evictions``)."""
+    evictions = play_evictions(view, request)
+    prefill_tokens = sum(evictions.prefill_tokens) + max(0, request.prompt_tokens - evictions.cached_tokens)
     decode_tokens = sum(request.expected_remaining(work.decode_tokens) for work in view.queue) \
         + request.expected_output
     prefill_s = prefill_tokens / view.prefill_tok_s
@@ -124,18 +170,33 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
     budget and its step-time model: a step costs base + per_prefill_token * prefill tokens +
     per_decode * decoding requests. Unlike the cost score, this sees the wait for a free slot and
     that a batch decodes in parallel. Outputs are the expected ones (``RouteInput``), at least one token.
+
+    KV capacity: a waiting request starts only when the blocks it will take (its uncomputed prompt and
+    expected output) fit beside those the running ones hold; each frees its blocks when it finishes. The
+    blocks of requests running now are their share of the worker's used blocks. Cached tokens count as
+    far as the queue ahead does not evict them first (``play_evictions``).
     """
     slots = max(1, view.max_active_requests)
     chunk_limit = max(1, view.max_num_batched_tokens)
-    running = [[w.prefill_tokens, max(1, request.expected_remaining(w.decode_tokens))] for w in view.queue
-               if w.running]
-    waiting = [[w.prefill_tokens, max(1, request.expected_remaining(w.decode_tokens))] for w in view.queue
-               if not w.running]
-    target = [max(1, request.prompt_tokens - view.cached_tokens), request.expected_output]
+    capacity = view.kv_blocks_total or math.inf
+    held_each = view.kv_blocks_used / max(1, view.num_running)
+    # each entry: [prefill tokens left, decode tokens left, KV blocks held once running]
+    evictions = play_evictions(view, request)
+    running, waiting = [], []
+    for work, prefill in zip(view.queue, evictions.prefill_tokens):
+        decode = max(1, request.expected_remaining(work.decode_tokens))
+        if work.running:
+            running.append([prefill, decode, held_each])
+        else:
+            waiting.append([prefill, decode, _blocks(prefill + decode, view.block_size)])
+    uncached = max(1, request.prompt_tokens - evictions.cached_tokens)
+    target = [uncached, request.expected_output, _blocks(uncached + request.expected_output, view.block_size)]
     waiting.append(target)
+    held = sum(work[2] for work in running)
     clock = 0.0
     while True:
-        while waiting and len(running) < slots:
+        while waiting and len(running) < slots and (not running or held + waiting[0][2] <= capacity):
+            held += waiting[0][2]
             running.append(waiting.pop(0))
         if all(work[0] == 0 for work in running):
             steps = min(work[1] for work in running)  # only decodes: jump to the next completion
@@ -164,6 +225,7 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
             clock += view.step_base_s + view.step_per_prefill_token_s * prefill_tokens + view.step_per_decode_s * decodes
         if target[1] <= 0:
             return Score(view.name, clock)
+        held -= sum(work[2] for work in running if work[1] <= 0)
         running = [work for work in running if work[1] > 0]
 
 
@@ -226,4 +288,4 @@ POLICIES: dict[str, Callable[[Sequence[WorkerView], RouteInput], Decision]] = {
     "cache_aware": _scored("cache_aware", cache_aware_score),
     "gpu_only": _scored("gpu_only", gpu_only_score),
 }
-DEFAULT_POLICY = "cost"
+DEFAULT_POLICY = "finish_time"  # by evidence: make bench-matrix (README)

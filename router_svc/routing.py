@@ -85,10 +85,14 @@ class WorkerReport:
     step_base_s: float
     step_per_prefill_token_s: float
     step_per_decode_s: float
+    block_size: int = 16
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
 
 
 def build_view(report: WorkerReport, cached_tokens: int, credits: Iterable[Credit] = (),
-               state_source: str = "estimate") -> WorkerView:
+               state_source: str = "estimate", cached_evictable_tokens: int = 0) -> WorkerView:
     """The view a policy scores: the report's queue plus each credit the report does not show yet.
 
     Args:
@@ -96,6 +100,7 @@ def build_view(report: WorkerReport, cached_tokens: int, credits: Iterable[Credi
         cached_tokens: tokens of this prompt in the worker's prefix cache (0 when unknown).
         credits: requests the router dispatched to the worker and has not seen finish.
         state_source: "estimate" for a report made for this prompt, "snapshot" for an older one.
+        cached_evictable_tokens: of ``cached_tokens``, those in blocks no request holds.
     """
     visible = {work.request_id for work in report.requests}
     credited = tuple(QueuedWork(False, c.prefill_tokens, c.decode_tokens, credited=True, request_id=c.request_id)
@@ -106,7 +111,9 @@ def build_view(report: WorkerReport, cached_tokens: int, credits: Iterable[Credi
         decode_tok_s=report.decode_tok_s, step_base_s=report.step_base_s,
         step_per_prefill_token_s=report.step_per_prefill_token_s, step_per_decode_s=report.step_per_decode_s,
         max_num_batched_tokens=report.max_num_batched_tokens, queue=report.requests + credited,
-        device=report.device, state_source=state_source,
+        device=report.device, state_source=state_source, cached_evictable_tokens=cached_evictable_tokens,
+        block_size=report.block_size, kv_blocks_total=report.kv_blocks_total, kv_blocks_used=report.kv_blocks_used,
+        kv_blocks_cached=report.kv_blocks_cached,
     )
 
 

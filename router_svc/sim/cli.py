@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from router_svc.policy import POLICIES
+from router_svc.policy import DEFAULT_POLICY, POLICIES
 from router_svc.sim.profiles import PROFILES, fetch_worker_profiles
 from router_svc.sim.simulator import simulate
 from tandem.bench.results import records_json
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "own calibration, its limits and its KV blocks (repeatable)")
     source.add_argument("--cpu-workers", type=int, default=1)
     source.add_argument("--gpu-max-active", type=int, default=None, help="the GPU worker's max active requests")
-    parser.add_argument("--policy", choices=sorted(POLICIES), default="cost")
+    parser.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY)
     add_workload_arguments(parser)
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

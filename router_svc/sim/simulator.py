@@ -53,17 +53,21 @@ class SimWorker:
         self.max_running = 0
 
     def view(self, prompt_token_ids: tuple[int, ...]) -> WorkerView:
-        rates = self.rates
+        rates, pool = self.rates, self.scheduler.pool
         report = WorkerReport(
             name=self.name, kind=self.profile.kind, device=f"sim-{self.profile.kind}",
-            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_budget, request_id=r.req_id)
+            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_budget, request_id=r.req_id,
+                                      cached_tokens=r.cached_tokens)
                            for r in self.scheduler.load().requests),
             max_active_requests=self.profile.scheduler.max_active_requests,
             max_num_batched_tokens=self.profile.scheduler.max_num_batched_tokens,
             prefill_tok_s=rates.prefill_tok_s, decode_tok_s=rates.decode_tok_s, step_base_s=rates.step_base_s,
             step_per_prefill_token_s=rates.step_per_prefill_token_s, step_per_decode_s=rates.step_per_decode_s,
+            block_size=pool.block_size, kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached=pool.num_cached_free_blocks,
         )
-        return build_view(report, self.scheduler.pool.cached_prefix_len(prompt_token_ids))
+        cached = pool.cached_prefix(prompt_token_ids)
+        return build_view(report, cached.tokens, cached_evictable_tokens=cached.evictable_tokens)
 
     def fits(self, request: WorkloadRequest) -> bool:
         """The engine's admission check: prompt plus budget must fit the KV cache at all."""

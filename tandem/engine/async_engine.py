@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+from tandem.engine.block_pool import CachedPrefix
 from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES
 from tandem.engine.engine import EngineState, LLMEngine, RequestOutput
 from tandem.engine.request import Request
@@ -123,9 +124,9 @@ class AsyncEngine:
             with self._lock:
                 self._watchers.discard(entry)
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
         with self._lock:
-            return self.engine.cached_prefix_len(token_ids)
+            return self.engine.cached_prefix(token_ids)
 
     def reset_prefix_cache(self) -> None:
         with self._lock:

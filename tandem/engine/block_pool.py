@@ -8,6 +8,7 @@ request holds stay cached (still findable by hash) in an LRU free queue until th
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 import sys
 from array import array
 from collections import OrderedDict
@@ -30,6 +31,15 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     for index in range(len(hashes), min(limit, len(token_ids) // block_size)):
         parent = hash_block(parent, token_ids[index * block_size:(index + 1) * block_size])
         hashes.append(parent)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A prompt's tokens the prefix cache would serve now, and of those the ones in blocks no request
+    holds: the ones that eviction can take before the prompt runs."""
+
+    tokens: int
+    evictable_tokens: int
 
 
 def max_cache_hit_blocks(num_tokens: int, block_size: int) -> int:
@@ -97,14 +107,16 @@ class BlockPool:
             hits.append(block)
         return hits
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """Tokens of ``token_ids`` the cache would serve now: full blocks, capped so one token is left to compute.
+    def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """What of ``token_ids`` the cache would serve now: full blocks, capped so one token is left to compute.
 
         Read-only and cheap: it hashes the full blocks of the prompt and looks them up.
         """
         hashes: list[bytes] = []
         extend_block_hashes(hashes, token_ids, self.block_size, max_cache_hit_blocks(len(token_ids), self.block_size))
-        return len(self.find_cached_blocks(hashes, token_ids)) * self.block_size
+        hits = self.find_cached_blocks(hashes, token_ids)
+        return CachedPrefix(len(hits) * self.block_size,
+                            sum(1 for block in hits if block.ref_count == 0) * self.block_size)
 
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens

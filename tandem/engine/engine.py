@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tandem.engine.block_pool import CachedPrefix
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.engine.errors import EngineDeadError, InvalidRequestError
@@ -219,8 +220,8 @@ class LLMEngine:
         """Forget every cached block (only while no request holds blocks)."""
         self.scheduler.kv_cache_manager.reset_prefix_cache()
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        return self.scheduler.kv_cache_manager.cached_prefix_len(token_ids)
+    def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        return self.scheduler.kv_cache_manager.cached_prefix(token_ids)
 
     def state(self) -> EngineState:
         return EngineState(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.engine.block_pool import BlockPool, KVBlock, extend_block_hashes, max_cache_hit_blocks
+from tandem.engine.block_pool import BlockPool, CachedPrefix, KVBlock, extend_block_hashes, max_cache_hit_blocks
 from tandem.engine.request import Request
 
 
@@ -125,16 +125,14 @@ class KVCacheManager:
         for block_hash in request.cache_estimate_hashes:
             self._estimate_dependents.setdefault(block_hash, set()).add(request)
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """Count the tokens of ``token_ids`` the cache would serve now. Read-only.
-
-        Args:
-            token_ids: a prompt.
+    def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """What of ``token_ids`` (a prompt) the cache would serve now. Read-only.
 
         Returns:
-            Tokens in cached full blocks, capped so that one token is left to compute.
+            Tokens in cached full blocks, capped so that one token is left to compute, and of those the
+            ones no request holds.
         """
-        return self.block_pool.cached_prefix_len(token_ids)
+        return self.block_pool.cached_prefix(token_ids)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block; only valid while no request holds blocks."""

@@ -51,13 +51,15 @@ class RequestLoad:
     """One request's remaining work.
 
     ``prefill_tokens``: for a running request its unfinished prefill; for a waiting one its prompt
-    tokens not covered by the cache estimate made when it was queued (lowered on eviction).
+    tokens not covered by the cache estimate made when it was queued (lowered on eviction), and
+    ``cached_tokens`` the tokens that estimate still counts on (0 for a running request).
     """
 
     req_id: str
     running: bool
     prefill_tokens: int
     decode_budget: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -225,7 +227,8 @@ class Scheduler:
     def load(self) -> SchedulerLoad:
         running = (RequestLoad(r.req_id, True, r.prefill_remaining, r.decode_budget) for r in self.running)
         waiting = (
-            RequestLoad(r.req_id, False, r.num_tokens - r.num_cached_estimate, r.decode_budget) for r in self.waiting
+            RequestLoad(r.req_id, False, r.num_tokens - r.num_cached_estimate, r.decode_budget, r.num_cached_estimate)
+            for r in self.waiting
         )
         pool = self.pool
         return SchedulerLoad(

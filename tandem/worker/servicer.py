@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.engine.async_engine import AsyncEngine
+from tandem.engine.block_pool import CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
@@ -132,7 +133,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield self._estimate(engine, request)
 
     def _estimate(self, engine: AsyncEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
-        return self._state_message(engine.state(), engine.cached_prefix_len(list(request.prompt_token_ids)))
+        return self._state_message(engine.state(), engine.cached_prefix(list(request.prompt_token_ids)))
 
     async def WatchState(self, request: worker_pb2.WatchStateRequest, context: grpc.aio.ServicerContext):
         interval = request.interval_s or 1.0
@@ -142,7 +143,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine = await self._require_state(context)
         while True:
             state = engine.state()
-            yield self._state_message(state, 0)
+            yield self._state_message(state, CachedPrefix(0, 0))
             await engine.wait_for_change(state.seq, interval)
             await asyncio.sleep(WATCH_COALESCE_S)
 
@@ -203,11 +204,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop_strings=tuple(message.stop),
         )
 
-    def _state_message(self, state: EngineState, cached_tokens: int) -> common_pb2.BackendState:
+    def _state_message(self, state: EngineState, cached: CachedPrefix) -> common_pb2.BackendState:
         load = state.load
         serving_state = self.serving_state if state.healthy else common_pb2.SERVING_STATE_FAILED
         return common_pb2.BackendState(
-            cached_tokens=cached_tokens,
+            cached_tokens=cached.tokens,
+            cached_tokens_evictable=cached.evictable_tokens,
             pending_prefill_tokens=state.pending_prefill_tokens,
             pending_decode_tokens=state.pending_decode_budget,
             running_prefill_tokens=load.running_prefill_tokens,
@@ -232,7 +234,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             timestamp_s=time.time(),
             requests=[
                 common_pb2.RequestLoad(
-                    request_id=r.req_id, running=r.running, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_budget
+                    request_id=r.req_id, running=r.running, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_budget,
+                    cached_tokens=r.cached_tokens,
                 )
                 for r in load.requests
             ],

@@ -31,7 +31,7 @@ def test_prefix_hits_reuse_blocks_and_keep_outputs_exact(tiny_model):
     run_to_completion(engine)
 
     prompts = {f"r{i}": prefix + random_prompt(engine, 5 + i, seed=100 + i) for i in range(4)}
-    predicted = {req_id: engine.cached_prefix_len(prompt) for req_id, prompt in prompts.items()}
+    predicted = {req_id: engine.cached_prefix(prompt).tokens for req_id, prompt in prompts.items()}
     for req_id, prompt in prompts.items():
         engine.add_request(greedy_request(req_id, prompt, 16))
     outputs = run_to_completion(engine)
@@ -48,7 +48,7 @@ def test_full_prompt_hit_still_computes_last_token(tiny_llama):
     prompt = random_prompt(engine, 64, seed=3)
     engine.add_request(greedy_request("first", prompt, 8))
     first = run_to_completion(engine)["first"]
-    assert engine.cached_prefix_len(prompt) == 48  # capped below len - 1 at a block boundary
+    assert engine.cached_prefix(prompt).tokens == 48  # capped below len - 1 at a block boundary
     engine.add_request(greedy_request("again", prompt, 8))
     again = run_to_completion(engine)["again"]
     assert again[-1].stats.num_cached_tokens == 48
@@ -73,10 +73,10 @@ def test_evicted_prefix_is_recomputed_correctly(tiny_llama):
     prefix = random_prompt(engine, 64, seed=11)
     engine.add_request(greedy_request("warm", prefix + [9], 4))
     run_to_completion(engine)
-    assert engine.cached_prefix_len(prefix + [9]) == 64
+    assert engine.cached_prefix(prefix + [9]).tokens == 64
     engine.add_request(greedy_request("flood", random_prompt(engine, 150, seed=12), 30))
     run_to_completion(engine)
-    assert engine.cached_prefix_len(prefix + [9]) < 64
+    assert engine.cached_prefix(prefix + [9]).tokens < 64
     engine.add_request(greedy_request("after", prefix + [9], 12))
     outputs = run_to_completion(engine)
     assert output_tokens(outputs["after"]) == hf_greedy(tiny_llama, prefix + [9], 12)

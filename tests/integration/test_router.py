@@ -49,7 +49,7 @@ def test_generate_sends_the_decision_then_the_tokens(stack, tiny_llama):
     prompt = list(range(30, 60))
     responses = list(router.stub.Generate(route(prompt, 10), timeout=60))
     decision = responses[0].decision
-    assert decision.policy == "cost" and decision.chosen_worker in ("cpu", "gpu")
+    assert decision.policy == "finish_time" and decision.chosen_worker in ("cpu", "gpu")
     assert {s.worker for s in decision.scores} == {"cpu", "gpu"}
     assert all(s.eligible and s.score_s > 0 and s.state_source == "estimate" for s in decision.scores)
     assert decision.scores[0].score_s <= decision.scores[1].score_s
@@ -180,7 +180,7 @@ def test_decisions_are_logged_as_json_lines_and_counted_in_metrics(stack):
     lines = [json.loads(line.split("tandem.router.decisions: ", 1)[1])
              for line in router.log().splitlines() if "tandem.router.decisions: " in line]
     entry = next(e for e in lines if e["request_id"] == request_id)
-    assert entry["event"] == "route" and entry["policy"] == "cost" and entry["chosen"] in ("cpu", "gpu")
+    assert entry["event"] == "route" and entry["policy"] == "finish_time" and entry["chosen"] in ("cpu", "gpu")
     assert {"score_s", "cached_tokens", "pending_prefill_tokens", "pending_decode_tokens", "inflight_requests",
             "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_s", "decode_s"} <= set(entry["scores"][0])
     before = scrape_metrics(router)

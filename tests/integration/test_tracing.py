@@ -116,7 +116,7 @@ def test_one_trace_joins_client_router_worker_and_engine(traced_stack):
         assert spans[("cpu-worker", phase, INTERNAL)].parent_span_id == worker_server.span_id
 
     routing = attributes(route)
-    assert routing["tandem.routing.policy"] == "cost" and routing["tandem.routing.chosen_worker"] == "cpu"
+    assert routing["tandem.routing.policy"] == "finish_time" and routing["tandem.routing.chosen_worker"] == "cpu"
     assert routing["tandem.routing.worker.cpu.score_s"] > 0 and "tandem.routing.worker.cpu.pending_decode_tokens" in routing
     worker_attributes = attributes(worker_server)
     assert worker_attributes["gen_ai.request.max_tokens"] == 6

@@ -52,7 +52,7 @@ def test_estimate_reports_cache_hit_after_shared_prefix(worker):
     assert estimate(worker, prefix + [7, 8]).cached_tokens == 0
     generate(worker.stub, prompt_token_ids=ids(prefix + [5]), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
     state = estimate(worker, prefix + [7, 8])
-    assert state.cached_tokens == 48
+    assert state.cached_tokens == state.cached_tokens_evictable == 48  # the request is done: nothing holds them
     assert state.kind == common_pb2.WORKER_KIND_CPU and state.device == "cpu"
     assert state.serving_state == common_pb2.SERVING_STATE_SERVING
     assert state.rates.prefill_tokens_per_s > 0 and state.rates.decode_tokens_per_s > 0

@@ -304,18 +304,27 @@ def test_cache_block_does_not_republish_a_hashed_block():
     assert pool.blocks[block_id].token_ids == (1, 1, 1, 1)
 
 
-def test_cached_prefix_len_caps_a_full_hit_so_one_token_is_computed():
+def test_cached_prefix_counts_as_evictable_only_the_blocks_no_request_holds():
+    pool = BlockPool(8, BLOCK)
+    tokens = list(range(100, 112))
+    held = cache_sequence(pool, tokens)  # three full blocks, held
+    assert (pool.cached_prefix(tokens + [1]).tokens, pool.cached_prefix(tokens + [1]).evictable_tokens) == (12, 0)
+    pool.free(held[-1:])  # the last block is released but stays cached
+    assert (pool.cached_prefix(tokens + [1]).tokens, pool.cached_prefix(tokens + [1]).evictable_tokens) == (12, 4)
+
+
+def test_cached_prefix_caps_a_full_hit_so_one_token_is_computed():
     pool = BlockPool(8, BLOCK)
     tokens = list(range(100, 108))
     cache_sequence(pool, tokens)  # two full blocks
 
-    assert pool.cached_prefix_len(tokens) == 4
-    assert pool.cached_prefix_len(tokens + [1]) == 8
-    assert pool.cached_prefix_len(tokens + [1, 2, 3, 4, 5]) == 8
-    assert pool.cached_prefix_len(tokens[:5]) == 4
-    assert pool.cached_prefix_len(tokens[:4]) == 0
-    assert pool.cached_prefix_len([]) == 0
-    assert pool.cached_prefix_len([0] + tokens) == 0
+    assert pool.cached_prefix(tokens).tokens == 4
+    assert pool.cached_prefix(tokens + [1]).tokens == 8
+    assert pool.cached_prefix(tokens + [1, 2, 3, 4, 5]).tokens == 8
+    assert pool.cached_prefix(tokens[:5]).tokens == 4
+    assert pool.cached_prefix(tokens[:4]).tokens == 0
+    assert pool.cached_prefix([]).tokens == 0
+    assert pool.cached_prefix([0] + tokens).tokens == 0
 
 
 def _pool_with_history(log: EvictionLog) -> BlockPool:
@@ -333,8 +342,8 @@ def test_cached_prefix_len_has_no_side_effects():
     probed = _pool_with_history(probed_log)
     reference = _pool_with_history(reference_log)
 
-    assert probed.cached_prefix_len(list(range(13))) == 12
-    assert probed.cached_prefix_len(list(range(9))) == 8
+    assert probed.cached_prefix(list(range(13))).tokens == 12
+    assert probed.cached_prefix(list(range(9))).tokens == 8
 
     assert probed.num_queried_tokens == reference.num_queried_tokens == 10
     assert probed.num_hit_tokens == reference.num_hit_tokens == 4
@@ -361,7 +370,7 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use():
     held = cache_sequence(pool, list(range(8)))
     with pytest.raises(RuntimeError):
         pool.reset_prefix_cache()
-    assert pool.cached_prefix_len(list(range(9))) == 8, "a refused reset must leave the cache intact"
+    assert pool.cached_prefix(list(range(9))).tokens == 8, "a refused reset must leave the cache intact"
     pool.free(held)
 
 
@@ -376,7 +385,7 @@ def test_reset_prefix_cache_forgets_everything_once_idle():
     assert sorted(log.hashes) == sorted(chain(tokens))
     assert pool.num_cached_free_blocks == 0
     assert pool.num_free_blocks == 4
-    assert pool.cached_prefix_len(tokens + [0]) == 0
+    assert pool.cached_prefix(tokens + [0]).tokens == 0
     assert (pool.num_queried_tokens, pool.num_hit_tokens) == (0, 0)
 
 

@@ -53,7 +53,7 @@ def test_computed_blocks_are_the_cached_prefix_and_are_not_taken():
     assert [block.block_id for block in hits] == warmed[:2]
     assert all(block.ref_count == 0 for block in hits)
     assert manager.block_pool.num_free_blocks == 8
-    assert manager.cached_prefix_len(request.token_ids) == 8
+    assert manager.cached_prefix(request.token_ids).tokens == 8
 
 
 def test_a_full_hit_leaves_one_token_to_compute():
@@ -134,10 +134,10 @@ def test_cache_blocks_publishes_each_full_computed_block_once():
     request = make_request("r", prompt)
     assert admit(manager, request, num_new_tokens=6)
     assert request.num_published_blocks == 1
-    assert manager.cached_prefix_len(prompt) == 4
+    assert manager.cached_prefix(prompt).tokens == 4
     compute(manager, request, 4)
     assert request.num_published_blocks == 2
-    assert manager.cached_prefix_len(prompt) == 8
+    assert manager.cached_prefix(prompt).tokens == 8
     hashes = [manager.block_pool.blocks[i].block_hash for i in request.block_ids]
     manager.cache_blocks(request)
     assert [manager.block_pool.blocks[i].block_hash for i in request.block_ids] == hashes
@@ -158,7 +158,7 @@ def test_free_releases_every_block_tail_first():
     observed = []
     for _ in range(4):
         manager.block_pool.allocate(1)
-        observed.append(manager.cached_prefix_len(prompt))
+        observed.append(manager.cached_prefix(prompt).tokens)
     # The unpublished tail block goes first, then the published blocks from the last one back.
     assert observed == [12, 8, 4, 0]
 
@@ -167,7 +167,7 @@ def test_reset_prefix_cache_forgets_every_cached_block():
     manager = KVCacheManager(4, BLOCK)
     warm(manager, range(9))
     manager.reset_prefix_cache()
-    assert manager.cached_prefix_len(list(range(9))) == 0
+    assert manager.cached_prefix(list(range(9))).tokens == 0
     assert manager.block_pool.num_cached_free_blocks == 0
 
 
@@ -206,7 +206,7 @@ def test_a_freed_waiting_request_keeps_its_last_estimate_through_evictions():
     manager.free(waiter)
     assert manager.block_pool.allocate(4) is not None  # evicts both blocks it had counted on
     assert waiter.num_cached_estimate == 8
-    assert manager.cached_prefix_len(waiter.token_ids) == 0
+    assert manager.cached_prefix(waiter.token_ids).tokens == 0
 
 
 def test_estimates_of_several_waiting_requests_are_corrected_independently():

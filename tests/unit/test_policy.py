@@ -11,12 +11,14 @@ import pytest
 from router_svc.policy import (
     DEFAULT_POLICY,
     POLICIES,
+    Evictions,
     NoEligibleWorker,
     QueuedWork,
     RouteInput,
     WorkerView,
     cost_score,
     finish_time_score,
+    play_evictions,
 )
 
 
@@ -72,8 +74,8 @@ def gpu_view(running_budget: int, num_waiting: int) -> WorkerView:
     )
 
 
-def test_cost_is_the_default_policy():
-    assert DEFAULT_POLICY == "cost"
+def test_finish_time_is_the_default_policy():  # chosen by make bench-matrix
+    assert DEFAULT_POLICY == "finish_time"
     assert DEFAULT_POLICY in POLICIES
 
 
@@ -429,3 +431,43 @@ def test_finish_time_counts_decodes_against_the_step_budget():
     expected = 3 * (BASE + PER_DECODE) + 16 * PER_PREFILL + 2 * (BASE + 2 * PER_DECODE)
     assert simulate_finish_time(view, request) == pytest.approx(expected, rel=1e-12)
     assert finish_time_score(view, request).score == pytest.approx(expected, rel=1e-12)
+
+
+# --- KV capacity and eviction -----------------------------------------------------------------------------
+
+KV = dict(block_size=16, kv_blocks_total=100, kv_blocks_used=0)
+
+
+def test_a_hit_that_the_queue_ahead_evicts_first_is_no_hit():
+    # every free block caches something: the waiting request's 160 new prompt tokens and 16 output
+    # tokens (11 blocks) evict 176 of the prompt's 320 evictable cached tokens
+    waiting = (QueuedWork(False, 160, 16),)
+    full = make_view(queue=waiting, cached_tokens=320, cached_evictable_tokens=320, kv_blocks_cached=100, **KV)
+    request = RouteInput(prompt_tokens=330, max_new_tokens=1)
+    assert play_evictions(full, request) == Evictions((160,), 320 - 176)
+    held = make_view(queue=waiting, cached_tokens=320, cached_evictable_tokens=0, kv_blocks_cached=100, **KV)
+    assert play_evictions(held, request).cached_tokens == 320  # blocks a running request holds stay
+    roomy = make_view(queue=waiting, cached_tokens=320, cached_evictable_tokens=320, kv_blocks_cached=50, **KV)
+    assert play_evictions(roomy, request).cached_tokens == 320  # 50 uncaching free blocks cover the 11
+    unknown = make_view(queue=waiting, cached_tokens=320, cached_evictable_tokens=320)
+    assert play_evictions(unknown, request).cached_tokens == 320  # no KV report: no eviction counted
+    assert cost_score(full, request).prefill_s == pytest.approx((160 + 330 - 144) / 1000)
+
+
+def test_evictions_cascade_down_the_queue():
+    # the first waiting request's 33 blocks evict the second's hit; its prefill grows by that
+    queue = (QueuedWork(False, 512, 16), QueuedWork(False, 16, 16, cached_tokens=496))
+    view = make_view(queue=queue, kv_blocks_cached=100, **KV)
+    assert play_evictions(view, RouteInput(prompt_tokens=8, max_new_tokens=1)).prefill_tokens == (512, 16 + 496)
+
+
+def test_finish_time_waits_for_kv_capacity_not_only_for_a_slot():
+    steps = dict(step_base_s=0.01, step_per_prefill_token_s=1e-4, step_per_decode_s=1e-4, max_num_batched_tokens=64,
+                 max_active_requests=4, block_size=16)
+    running = (QueuedWork(True, 0, 10),)
+    request = RouteInput(prompt_tokens=32, max_new_tokens=4)  # 3 blocks with its output
+    room = finish_time_score(make_view(queue=running, kv_blocks_total=100, kv_blocks_used=8, **steps), request).score
+    tight = finish_time_score(make_view(queue=running, kv_blocks_total=10, kv_blocks_used=8, **steps), request).score
+    decode = 0.01 + 1e-4
+    assert room == pytest.approx((0.01 + 32e-4 + 1e-4) + 3 * (0.01 + 2e-4))  # prefilled beside the running one
+    assert tight == pytest.approx(10 * decode + (0.01 + 32e-4) + 3 * decode)  # after it frees its 8 blocks

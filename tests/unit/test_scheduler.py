@@ -187,7 +187,7 @@ def test_admission_reuses_cached_prefix():
     run_to_completion(scheduler)
 
     second = make_request("second", list(range(8)) + [90, 91, 92])
-    reported = scheduler.pool.cached_prefix_len(second.token_ids)
+    reported = scheduler.pool.cached_prefix(second.token_ids).tokens
     assert reported == 8
     scheduler.add_request(second)
     output = step(scheduler)
@@ -204,7 +204,7 @@ def test_identical_prompt_still_computes_at_least_one_token():
     run_to_completion(scheduler)
 
     again = make_request("again", prompt, max_new_tokens=1)
-    assert scheduler.pool.cached_prefix_len(prompt) == 4
+    assert scheduler.pool.cached_prefix(prompt).tokens == 4
     scheduler.add_request(again)
     output, samples = step_sampling(scheduler)
     [item] = output.scheduled
@@ -259,7 +259,7 @@ def test_most_recently_admitted_request_is_preempted_when_blocks_run_out():
     assert c.num_cached_estimate == 2
     assert scheduler.load().waiting_prefill_tokens == (5 - 2) + 2
 
-    cached_before = scheduler.pool.cached_prefix_len(c.token_ids)
+    cached_before = scheduler.pool.cached_prefix(c.token_ids).tokens
     num_tokens = c.num_tokens
     output, samples = step_sampling(scheduler)
     assert output.scheduled[0].request is c
@@ -418,6 +418,7 @@ def test_load_reports_running_and_waiting_work():
     assert load.running_prefill_tokens == 0 + (20 - 7)
     assert load.running_decode_budget == (6 - 2) + 5
     assert c.num_cached_estimate == 4
+    assert [(r.req_id, r.cached_tokens) for r in load.requests] == [("a", 0), ("b", 0), ("c", 4), ("d", 0)]
     assert load.waiting_prefill_tokens == (10 - 4) + 5
     assert load.waiting_decode_budget == 3 + 2
     assert load.num_kv_blocks == 64
@@ -444,7 +445,7 @@ def test_waiting_estimate_shrinks_when_counted_blocks_are_evicted():
     observed = []
     while filler.num_output_tokens == 0:
         step(scheduler)
-        observed.append((scheduler.load().waiting_prefill_tokens, scheduler.pool.cached_prefix_len(waiter.token_ids)))
+        observed.append((scheduler.load().waiting_prefill_tokens, scheduler.pool.cached_prefix(waiter.token_ids).tokens))
     # Blocks are evicted tail first: the second prefix block goes, then the first.
     assert [prefill for prefill, _ in observed] == [1, 1, 1, 5, 9]
     assert [cached for _, cached in observed] == [8, 8, 8, 4, 0]
@@ -517,7 +518,7 @@ def check_invariants(scheduler: Scheduler) -> None:
     for request in scheduler.waiting:
         assert request.status is RequestStatus.WAITING
         assert request.block_ids == []
-        assert request.num_cached_estimate <= pool.cached_prefix_len(request.token_ids)
+        assert request.num_cached_estimate <= pool.cached_prefix(request.token_ids).tokens
 
 
 def test_randomized_workload_keeps_invariants():
