@@ -46,7 +46,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
         ("grpc.max_receive_message_length", config.max_message_bytes),
     ])
     router = Router(registry, Admission(config.max_inflight, config.max_queued, config.queue_timeout_s),
-                    config.probe_deadline_ms / 1000)
+                    config.probe_deadline_ms / 1000, config.replace_interval_s)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, config.policy), service.server)
     serve_metrics(config.host, config.metrics_port)
     registry.start([discovery.build(spec, config.discovery) for spec in config.discover])

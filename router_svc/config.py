@@ -14,7 +14,9 @@ from pathlib import Path
 from router_svc import discovery
 from router_svc.backends import WorkerAddress
 from router_svc.policy import DEFAULT_POLICY, POLICIES
-from tandem.options import EnvArgumentParser, non_negative_int, port_number, positive_float, positive_int
+from router_svc.replacement import CHECK_INTERVAL_S
+from tandem.options import (EnvArgumentParser, non_negative_float, non_negative_int, port_number, positive_float,
+                            positive_int)
 from tandem.security import ClientTLS, ServerTLS, add_server_tls_arguments, client_tls, server_tls
 
 WORKERS_ENV = "TANDEM_WORKERS"
@@ -27,6 +29,7 @@ class RouterConfig:
     port: int = 50051
     policy: str = DEFAULT_POLICY
     probe_deadline_ms: float = 50.0
+    replace_interval_s: float = CHECK_INTERVAL_S
     model: str | None = None
     metrics_port: int = 0
     workers: tuple[WorkerAddress, ...] = field(default_factory=tuple)
@@ -59,6 +62,10 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                             help="routing policy")
     parser.add_env_argument("--probe-deadline-ms", "TANDEM_PROBE_DEADLINE_MS", defaults.get("probe_deadline_ms", 50.0),
                             type=positive_float, help="deadline of the Estimate probe sent to every worker per request")
+    parser.add_env_argument("--replace-interval-s", "TANDEM_REPLACE_INTERVAL_S",
+                            defaults.get("replace_interval_s", CHECK_INTERVAL_S), type=non_negative_float,
+                            help="how often a request routed by finish_time that still waits on its worker is checked "
+                                 "for a move to a worker that would finish it clearly earlier (0: never moved)")
     parser.add_env_argument("--model", "TANDEM_MODEL", defaults.get("model"),
                             help="the model the workers serve, for its tokenizer (default: SmolLM2-135M-Instruct)")
     parser.add_env_argument("--http-port", "TANDEM_HTTP_PORT", defaults.get("http_port", 8000), type=port_number,
@@ -124,6 +131,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             port=args.port,
             policy=args.policy,
             probe_deadline_ms=args.probe_deadline_ms,
+            replace_interval_s=args.replace_interval_s,
             model=args.model,
             metrics_port=args.metrics_port,
             workers=tuple(WorkerAddress.parse(spec) for spec in specs),

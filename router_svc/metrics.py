@@ -10,6 +10,11 @@ ROUTING_DECISIONS = Counter(
 ROUTING_FAILOVERS = Counter(
     "tandem_router_failovers_total", "Requests moved to another worker after a failure before the first token", ["worker"]
 )
+ROUTING_MOVES = Counter(
+    "tandem_router_moves_total", "Requests withdrawn from a worker before their first token and routed again, by the "
+    "worker left, the worker chosen by the move's estimate, and cause (estimate_grew, earlier_elsewhere)",
+    ["from_worker", "to_worker", "cause"]
+)
 WORKER_SCORE = Histogram(
     "tandem_router_worker_score_seconds", "Each eligible worker's score at decision time (cost and finish_time policies)",
     ["worker", "policy"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128),

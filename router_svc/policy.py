@@ -176,6 +176,20 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
     blocks of requests running now are their share of the worker's used blocks. Cached tokens count as
     far as the queue ahead does not evict them first (``play_evictions``).
     """
+    return Score(view.name, _play_forward(view, request, None))
+
+
+def queued_finish_time(view: WorkerView, request_id: str, request: RouteInput) -> float | None:
+    """Predicted seconds until ``request``, already queued on this worker as ``request_id`` and generating
+    its expected output, finishes where it stands (``finish_time_score``'s model); None when the view
+    does not show it."""
+    index = next((i for i, work in enumerate(view.queue) if work.request_id == request_id), None)
+    return None if index is None else _play_forward(view, request, index)
+
+
+def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | None) -> float:
+    """Seconds until the target finishes: the queue entry at ``queued_index``, or (None) ``request``
+    appended as a new arrival."""
     slots = max(1, view.max_active_requests)
     chunk_limit = max(1, view.max_num_batched_tokens)
     capacity = view.kv_blocks_total or math.inf
@@ -183,15 +197,18 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
     # each entry: [prefill tokens left, decode tokens left, KV blocks held once running]
     evictions = play_evictions(view, request)
     running, waiting = [], []
-    for work, prefill in zip(view.queue, evictions.prefill_tokens):
-        decode = max(1, request.expected_remaining(work.decode_tokens))
+    for index, (work, prefill) in enumerate(zip(view.queue, evictions.prefill_tokens)):
+        decode = request.expected_output if index == queued_index else max(1, request.expected_remaining(work.decode_tokens))
         if work.running:
             running.append([prefill, decode, held_each])
         else:
             waiting.append([prefill, decode, _blocks(prefill + decode, view.block_size)])
-    uncached = max(1, request.prompt_tokens - evictions.cached_tokens)
-    target = [uncached, request.expected_output, _blocks(uncached + request.expected_output, view.block_size)]
-    waiting.append(target)
+        if index == queued_index:
+            target = (running if work.running else waiting)[-1]
+    if queued_index is None:
+        uncached = max(1, request.prompt_tokens - evictions.cached_tokens)
+        target = [uncached, request.expected_output, _blocks(uncached + request.expected_output, view.block_size)]
+        waiting.append(target)
     held = sum(work[2] for work in running)
     clock = 0.0
     while True:
@@ -224,7 +241,7 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
                         work[1] -= 1  # the last prefill chunk samples the first token
             clock += view.step_base_s + view.step_per_prefill_token_s * prefill_tokens + view.step_per_decode_s * decodes
         if target[1] <= 0:
-            return Score(view.name, clock)
+            return clock
         held -= sum(work[2] for work in running if work[1] <= 0)
         running = [work for work in running if work[1] > 0]
 

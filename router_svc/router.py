@@ -4,6 +4,8 @@ converts its requests in and its events out."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -14,7 +16,8 @@ from router_svc import metrics
 from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry, probe_all
 from router_svc.output_lengths import OutputLengths
-from router_svc.policy import RouteInput
+from router_svc.policy import RouteInput, WorkerView
+from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, consider_move
 from router_svc.routing import Failover, RoutingError, Status, WorkerCallFailed, WorkerStatus, route
 from tandem.decision import RoutingDecision
 from tandem.telemetry import child_span, mark_failed, mark_failed_status, tracer
@@ -57,18 +60,24 @@ class WorkerOutput:
 
 
 class Router:
-    """Routes requests over the registry's workers, each whole request to the worker its policy picks."""
+    """Routes requests over the registry's workers, each whole request to the worker its policy picks.
 
-    def __init__(self, registry: BackendRegistry, admission: Admission, probe_deadline_s: float):
+    ``replace_interval_s``: how often a request routed by ``finish_time`` and still waiting on its worker
+    is checked for a move (``router_svc.replacement``); 0 never moves one.
+    """
+
+    def __init__(self, registry: BackendRegistry, admission: Admission, probe_deadline_s: float,
+                 replace_interval_s: float = CHECK_INTERVAL_S):
         self.registry = registry
         self.admission = admission
         self.probe_deadline_s = probe_deadline_s
+        self.replace_interval_s = replace_interval_s
         self.output_lengths = OutputLengths(on_update=metrics.set_output_fraction)
         self._sequence = 0
 
     async def generate(self, request: RoutedRequest, span) -> AsyncIterator[RoutingDecision | WorkerOutput]:
-        """The decision, then the worker's responses; after a failure before the first token, a new decision
-        and the next worker's responses.
+        """The decision, then the worker's responses; after a failure, or a move, before the first token, a
+        new decision and the next worker's responses.
 
         Raises:
             RoutingError: the request was refused or could not be completed; its status says how.
@@ -77,8 +86,9 @@ class Router:
         await self.admission.acquire()
         try:
             failover = Failover()
+            moves: list[Move] = []
             while True:
-                decision = await self.decide(request, span, failover)
+                decision = await self.decide(request, span, failover, moves)
                 backend = self.registry.backends.get(decision.chosen_worker)
                 if backend is None:  # it left the pool while the decision was made
                     failover.after_failure(WorkerCallFailed(decision.chosen_worker, Status.UNAVAILABLE, "left the pool"), 0)
@@ -87,29 +97,38 @@ class Router:
                 backend.dispatch(request.request_id, max(0, request.prompt_tokens - decision.chosen.cached_tokens),
                                  request.max_new_tokens)
                 call = backend.generate(request.worker_request, _remaining(request.deadline), span)
-                streamed = 0
+                placed_at = time.monotonic()
+                streamed, move = 0, None
                 try:
                     try:  # the worker call is already under way while the decision goes out
                         yield decision
                     finally:  # bookkeeping, kept off the way to the first token
                         decision_log.info(json.dumps(decision.log_record(request.request_id)))
                         metrics.record_decision(decision)
-                    async for response in call:
-                        if response.token_ids and not streamed:
-                            metrics.TTFT.labels(request.frontend).observe(time.monotonic() - started)
-                        streamed += len(response.token_ids)
-                        if response.HasField("result"):
-                            _record_result(span, response.result)
-                            self.output_lengths.observe(request.length_key, response.result.usage.output_tokens,
-                                                        request.max_new_tokens)
-                            metrics.E2E.labels(request.frontend).observe(time.monotonic() - started)
-                        yield WorkerOutput(backend.name, response)
-                    return
+                    first: list[worker_pb2.GenerateResponse] = []
+                    if request.policy == "finish_time" and self.replace_interval_s and len(moves) < MAX_MOVES:
+                        first, move = await self._first_response_or_move(call, request, decision, placed_at,
+                                                                         failover, moves)
+                    if move is None:
+                        async for response in _chained(first, call):
+                            if response.token_ids and not streamed:
+                                metrics.TTFT.labels(request.frontend).observe(time.monotonic() - started)
+                            streamed += len(response.token_ids)
+                            if response.HasField("result"):
+                                _record_result(span, response.result)
+                                self.output_lengths.observe(request.length_key, response.result.usage.output_tokens,
+                                                            request.max_new_tokens)
+                            yield WorkerOutput(backend.name, response)
+                        return
                 except WorkerCallFailed as failure:
                     error = failover.after_failure(failure, streamed)
                 finally:
-                    call.close()
+                    call.close()  # a withdrawn request is cancelled on its worker, which frees its blocks
                     backend.release(request.request_id)
+                if move is not None:
+                    moves.append(move)
+                    _record_move(span, request.request_id, move)
+                    continue
                 backend.failed_requests += 1
                 if error is not None:
                     raise error
@@ -119,8 +138,9 @@ class Router:
         finally:
             self.admission.release()
 
-    async def decide(self, request: RoutedRequest, parent_span, failover: Failover | None = None) -> RoutingDecision:
-        """Probe every healthy worker not yet failed, and route by the request's policy.
+    async def decide(self, request: RoutedRequest, parent_span, failover: Failover | None = None,
+                     moves: list[Move] | tuple[Move, ...] = ()) -> RoutingDecision:
+        """Probe every healthy worker not yet failed or left by a move, and route by the request's policy.
 
         Raises:
             RoutingError: no worker can take the request.
@@ -128,17 +148,12 @@ class Router:
         failover = failover or Failover()
         route_span = child_span(_tracer, parent_span, "route", attributes={"tandem.routing.policy": request.policy})
         try:
-            candidates = [b for b in self.registry.healthy() if b.name not in failover.failures]
-            estimates = await probe_all(candidates, request.prompt_token_ids, self.probe_deadline_s)
-            views = [
-                b.view(estimate) for b, estimate in zip(candidates, estimates)
-                if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING
-            ]
-            lengths = self.output_lengths
-            route_input = RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence,
-                                     lengths.expected_tokens(request.length_key, request.max_new_tokens),
-                                     lengths.fraction())
-            decision = route(request.policy, route_input, views, self._workers(), failover, request.length_key)
+            views = await self._views(request, _excluded(failover, moves))
+            decision = route(request.policy, self._route_input(request), views, self._workers(), failover,
+                             request.length_key)
+            if moves:
+                decision = dataclasses.replace(decision, moved_from=tuple(m.from_worker for m in moves),
+                                               move_reason=moves[-1].reason)
         except RoutingError as exc:
             mark_failed_status(route_span, exc.status.name, str(exc))
             raise
@@ -152,8 +167,82 @@ class Router:
         finally:
             route_span.end()
 
+    async def _views(self, request: RoutedRequest, excluded: set[str]) -> list[WorkerView]:
+        """A fresh view of every healthy worker not in ``excluded``, probed for this prompt."""
+        candidates = [b for b in self.registry.healthy() if b.name not in excluded]
+        estimates = await probe_all(candidates, request.prompt_token_ids, self.probe_deadline_s)
+        return [b.view(estimate) for b, estimate in zip(candidates, estimates)
+                if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING]
+
+    def _route_input(self, request: RoutedRequest) -> RouteInput:
+        lengths = self.output_lengths
+        return RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence,
+                          lengths.expected_tokens(request.length_key, request.max_new_tokens), lengths.fraction())
+
+    async def _first_response_or_move(self, call, request: RoutedRequest, decision: RoutingDecision, placed_at: float,
+                                      failover: Failover, moves: list[Move]):
+        """Waits for the worker's first response, checking every ``replace_interval_s`` meanwhile whether the
+        request should move (``consider_move``). Returns ([the first response], None), ([], None) when the
+        call ended without one, or ([], the move) with the call still unanswered."""
+        first = asyncio.ensure_future(_next_response(call))
+        try:
+            while not first.done():
+                await asyncio.wait({first}, timeout=self.replace_interval_s)
+                if first.done():
+                    break
+                views = await self._views(request, _excluded(failover, moves))
+                current = next((view for view in views if view.name == decision.chosen_worker), None)
+                if current is None:
+                    continue
+                others = [view for view in views if view.name != current.name]
+                placed_s = decision.chosen.score_s - (time.monotonic() - placed_at)
+                move = consider_move(request.request_id, self._route_input(request), current, others, placed_s,
+                                     len(moves))
+                if move is not None and not first.done():
+                    return [], move
+            response = first.result()
+            return ([] if response is None else [response]), None
+        finally:
+            first.cancel()
+
     def _workers(self) -> list[WorkerStatus]:
         return [WorkerStatus(b.name, b.kind, b.describe()) for b in self.registry.backends.values()]
+
+
+def _excluded(failover: Failover, moves) -> set[str]:
+    """Workers a request is not routed to again: those that failed it and those it moved away from."""
+    return set(failover.failures) | {move.from_worker for move in moves}
+
+
+async def _next_response(call) -> worker_pb2.GenerateResponse | None:
+    """The call's next response, None at its end."""
+    try:
+        return await call.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chained(first: list, call) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    for response in first:
+        yield response
+    if first and first[-1].HasField("result"):
+        return
+    async for response in call:
+        yield response
+
+
+def _record_move(span, request_id: str, move: Move) -> None:
+    """Log, trace and count a move."""
+    logger.info("request %s moves from %s to %s before its first token: %s", request_id, move.from_worker,
+                move.to_worker, move.reason)
+    decision_log.info(json.dumps({"event": "move", "request_id": request_id, "from": move.from_worker,
+                                  "to": move.to_worker, "cause": move.cause, "reason": move.reason,
+                                  "from_s": move.from_s, "to_s": move.to_s}))
+    span.add_event("tandem.routing.moved", {"tandem.routing.moved_from": move.from_worker,
+                                            "tandem.routing.moved_to": move.to_worker,
+                                            "tandem.routing.move_cause": move.cause,
+                                            "tandem.routing.move_reason": move.reason})
+    metrics.ROUTING_MOVES.labels(move.from_worker, move.to_worker, move.cause).inc()
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -57,6 +57,8 @@ class RoutingDecision:
     failed_workers: tuple[str, ...] = ()
     expected_new_tokens: int = 0
     length_key: str = ""
+    moved_from: tuple[str, ...] = ()
+    move_reason: str = ""
 
     @property
     def chosen(self) -> WorkerScore:
@@ -68,7 +70,8 @@ class RoutingDecision:
             "event": "route", "request_id": request_id, "policy": self.policy, "chosen": self.chosen_worker,
             "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
             "expected_new_tokens": self.expected_new_tokens, "length_key": self.length_key,
-            "failed_workers": list(self.failed_workers),
+            "failed_workers": list(self.failed_workers), "moved_from": list(self.moved_from),
+            "move_reason": self.move_reason,
             "scores": [{name: getattr(s, name) for name in _FIELDS} for s in self.scores],
         }
 
@@ -81,6 +84,8 @@ class RoutingDecision:
             "tandem.routing.failed_workers": list(self.failed_workers),
             "tandem.routing.expected_new_tokens": self.expected_new_tokens,
             "tandem.routing.length_key": self.length_key,
+            "tandem.routing.moved_from": list(self.moved_from),
+            "tandem.routing.move_reason": self.move_reason,
         }
         for s in self.scores:
             prefix = f"tandem.routing.worker.{s.worker}"
@@ -94,6 +99,8 @@ class RoutingDecision:
     def table(self) -> str:
         """The decision as a text table: one row per worker, the chosen one marked."""
         failed = f" (after failures: {', '.join(self.failed_workers)})" if self.failed_workers else ""
+        if self.moved_from:
+            failed += f" (moved from {', '.join(self.moved_from)}: {self.move_reason})"
         widths = [max(len(heading) + 2, 9) for _, heading, _ in _COLUMNS]
         lines = [
             f"policy {self.policy}: {self.prompt_tokens} prompt tokens, {self.max_new_tokens} new "

@@ -78,6 +78,7 @@ def decision_message(decision: RoutingDecision) -> router_pb2.RoutingDecision:
         policy=decision.policy, chosen_worker=decision.chosen_worker, prompt_tokens=decision.prompt_tokens,
         max_new_tokens=decision.max_new_tokens, failed_workers=decision.failed_workers,
         expected_new_tokens=decision.expected_new_tokens, length_key=decision.length_key,
+        moved_from=decision.moved_from, move_reason=decision.move_reason,
         scores=[router_pb2.WorkerScore(kind=WORKER_KINDS[s.kind], **{name: getattr(s, name) for name in _SCORE_FIELDS})
                 for s in decision.scores],
     )
@@ -88,6 +89,7 @@ def decision_from_message(message: router_pb2.RoutingDecision) -> RoutingDecisio
         policy=message.policy, chosen_worker=message.chosen_worker, prompt_tokens=message.prompt_tokens,
         max_new_tokens=message.max_new_tokens, failed_workers=tuple(message.failed_workers),
         expected_new_tokens=message.expected_new_tokens, length_key=message.length_key,
+        moved_from=tuple(message.moved_from), move_reason=message.move_reason,
         scores=tuple(WorkerScore(kind=_KIND_NAMES.get(s.kind, ""), **{name: getattr(s, name) for name in _SCORE_FIELDS})
                      for s in message.scores),
     )

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import zlib
 from dataclasses import dataclass, field
 
 from router_svc.output_lengths import OutputLengths
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, QueuedWork, RouteInput, WorkerView
+from router_svc.replacement import CHECK_INTERVAL_S, Move, consider_move
 from router_svc.routing import WorkerReport, build_view
 from router_svc.sim.profiles import WorkerProfile
 from tandem.bench.results import OK, RequestRecord, summarize
@@ -139,19 +141,34 @@ class SimResult:
     records: list[RequestRecord]
     decisions: list[tuple[str, Decision]] = field(default_factory=list)
     worker_stats: dict[str, dict] = field(default_factory=dict)
+    moves: list[tuple[str, Move]] = field(default_factory=list)
 
     def summary(self) -> dict:
         summary = summarize(self.records, list(self.workers))
         summary["policy"] = self.policy
+        summary["moves"] = len(self.moves)
         summary["offloaded_to_cpu"] = sum(n for name, n in summary["requests_per_worker"].items()
                                           if self.workers[name].kind == "cpu")
         summary["workers"] = self.worker_stats
         return summary
 
 
+@dataclass
+class _Placement:
+    """A request on its way, and its finish as predicted where it waits when it was placed there."""
+
+    request: WorkloadRequest
+    placed_s: float
+    placed_at: float
+    moves: int = 0
+
+
 def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str = "cost",
              keep_decisions: bool = False) -> SimResult:
-    """Run ``workload`` through ``policy`` over simulated ``workers`` and return every request's record."""
+    """Run ``workload`` through ``policy`` over simulated ``workers`` and return every request's record.
+
+    Under ``finish_time``, as in the router, every ``CHECK_INTERVAL_S`` each worker's next waiting requests
+    (as many as it runs at once) are checked for a move (``router_svc.replacement``)."""
     decide = POLICIES[policy]
     clock = VirtualClock()
     sim_workers = [SimWorker(name, profile, clock) for name, profile in workers.items()]
@@ -160,7 +177,8 @@ def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str 
             worker.warm(prefix)
     result = SimResult(policy, dict(workers), [])
     lengths = OutputLengths()  # learned from finished requests, as the router learns them
-    pending: dict[str, tuple[float, str]] = {}  # req_id -> (arrival, worker)
+    pending: dict[str, _Placement] = {}
+    next_check = CHECK_INTERVAL_S if policy == "finish_time" else math.inf
     steps: list[tuple[float, int, int]] = []  # (end time, worker index, tie-breaker)
     order = itertools.count()
     arrivals = iter(sorted(workload.requests, key=lambda r: r.arrival_s))
@@ -172,19 +190,28 @@ def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str 
             heapq.heappush(steps, (worker.step_end, index, next(order)))
 
     for sequence in itertools.count():
-        if steps and (next_arrival is None or steps[0][0] <= next_arrival.arrival_s):
+        next_step = steps[0][0] if steps else math.inf
+        arrival = next_arrival.arrival_s if next_arrival is not None else math.inf
+        if pending and (steps or next_arrival is not None) and next_check < min(next_step, arrival):
+            clock.now, next_check = next_check, next_check + CHECK_INTERVAL_S
+            _replace_waiting(sim_workers, lengths, pending, clock.now, result)
+            for index in range(len(sim_workers)):
+                start(index)
+        elif steps and next_step <= arrival:
             clock.now, index, _ = heapq.heappop(steps)
             worker = sim_workers[index]
             for request in worker.finish_step():
-                arrival_s, name = pending.pop(request.req_id)
-                result.records.append(RequestRecord(request.req_id, name, arrival_s, request.first_token_time,
-                                                    clock.now, request.num_output_tokens, OK,
-                                                    request.num_cached_tokens))
+                placement = pending.pop(request.req_id)
+                result.records.append(RequestRecord(request.req_id, worker.name, placement.request.arrival_s,
+                                                    request.first_token_time, clock.now, request.num_output_tokens,
+                                                    OK, request.num_cached_tokens))
                 lengths.observe("", request.num_output_tokens, request.max_new_tokens)
             start(index)
         elif next_arrival is not None:
             request, next_arrival = next_arrival, next(arrivals, None)
             clock.now = request.arrival_s
+            if next_check < clock.now:  # no check while nothing was on its way
+                next_check = clock.now + CHECK_INTERVAL_S
             _route(request, sim_workers, decide, sequence, lengths, result, pending, keep_decisions)
             for index in range(len(sim_workers)):
                 start(index)
@@ -211,8 +238,7 @@ def _route(request: WorkloadRequest, workers: list[SimWorker], decide, sequence:
            result: SimResult, pending: dict, keep_decisions: bool) -> None:
     eligible = [w for w in workers if w.fits(request)]
     views = [w.view(request.prompt_token_ids) for w in eligible]
-    route_input = RouteInput(len(request.prompt_token_ids), request.max_new_tokens, sequence,
-                             lengths.expected_tokens("", request.max_new_tokens), lengths.fraction())
+    route_input = _route_input(request, lengths, sequence)
     try:
         decision = decide(views, route_input)
     except NoEligibleWorker:
@@ -226,6 +252,36 @@ def _route(request: WorkloadRequest, workers: list[SimWorker], decide, sequence:
         result.records.append(RequestRecord(request.req_id, worker.name, request.arrival_s, None, request.arrival_s,
                                             0, "RESOURCE_EXHAUSTED"))
         return
-    pending[request.req_id] = (request.arrival_s, worker.name)
+    chosen = next(score for score in decision.scores if score.worker == worker.name)
+    pending[request.req_id] = _Placement(request, chosen.score, request.arrival_s)
     if keep_decisions:
         result.decisions.append((request.req_id, decision))
+
+
+def _route_input(request: WorkloadRequest, lengths: OutputLengths, sequence: int = 0) -> RouteInput:
+    return RouteInput(len(request.prompt_token_ids), request.max_new_tokens, sequence,
+                      lengths.expected_tokens("", request.max_new_tokens), lengths.fraction())
+
+
+def _replace_waiting(workers: list[SimWorker], lengths: OutputLengths, pending: dict[str, _Placement], now: float,
+                     result: SimResult) -> None:
+    """The router's re-placement check (``consider_move``) for each worker's next waiting requests."""
+    for worker in workers:
+        for engine_request in list(worker.scheduler.waiting)[:worker.profile.scheduler.max_active_requests]:
+            placement = pending[engine_request.req_id]
+            request = placement.request
+            others = [other for other in workers if other is not worker and other.fits(request)]
+            move = consider_move(request.req_id, _route_input(request, lengths), worker.view(request.prompt_token_ids),
+                                 [other.view(request.prompt_token_ids) for other in others],
+                                 placement.placed_s - (now - placement.placed_at), placement.moves)
+            if move is None:
+                continue
+            target = next(other for other in others if other.name == move.to_worker)
+            try:
+                target.add(request)
+            except QueueFullError:
+                continue
+            worker.scheduler.finish(engine_request, RequestStatus.FINISHED_ABORTED)
+            del worker.output_targets[request.req_id]
+            pending[request.req_id] = _Placement(request, move.to_s, now, placement.moves + 1)
+            result.moves.append((request.req_id, move))

@@ -100,3 +100,16 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 1
     assert b"Traceback" not in stderr and b"BrokenPipeError" not in stderr
+
+
+def test_finish_time_moves_waiting_requests_that_another_worker_finishes_first_and_each_completes_once():
+    # cached 8k histories: the GPU queue grows long while the CPU, holding the histories, frees up
+    workload = long_context(48, 32000, context_tokens=8192, warmed=True)
+    result = simulate(seed_m2().workers(gpu_max_active=4), workload, "finish_time")
+    summary = result.summary()
+    assert summary["outcomes"] == {"OK": 48} and sorted(r.req_id for r in result.records) == \
+        sorted(r.req_id for r in workload.requests)
+    assert summary["moves"] > 0 and all(move.to_s < move.from_s for _, move in result.moves)
+    assert all(sum(1 for req_id, _ in result.moves if req_id == r.req_id) <= 2 for r in workload.requests)
+    unmoved = simulate(seed_m2().workers(gpu_max_active=4), workload, "cost").summary()
+    assert unmoved["moves"] == 0 and summary["makespan_s"] < unmoved["makespan_s"]

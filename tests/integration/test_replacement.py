@@ -1,0 +1,88 @@
+"""Re-placement before the first token, end to end: a request waiting on one real worker is withdrawn
+when the other frees up, routed there, and completes exactly once."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+
+from tandem.launch import free_port
+from tandem.v1 import common_pb2, router_pb2, worker_pb2
+from tests.engine.helpers import hf_greedy
+from tests.integration.test_reliability import assert_no_leaks
+from tests.integration.workers import HARNESS, SERVING, RouterProcess, WorkerProcess, scrape_metrics, wait_until
+
+pytestmark = pytest.mark.slow
+GREEDY = common_pb2.SamplingParams(temperature=0.0)
+
+
+def _occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int):
+    """A long generation sent to the worker directly (the router does not know it); returns its call."""
+    call = worker.stub.Generate(worker_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=list(range(200, 220))),
+        max_new_tokens=max_new_tokens, ignore_eos=True, sampling=GREEDY), timeout=120)
+    threading.Thread(target=lambda: [None for _ in _drained(call)], daemon=True).start()
+    return call
+
+
+def _drained(call):
+    try:
+        yield from call
+    except grpc.RpcError:
+        return
+
+
+def _load(worker: WorkerProcess) -> tuple[int, int]:
+    """(running, waiting) requests on the worker."""
+    state = worker.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=[5]), timeout=5)
+    return state.num_running, state.num_waiting
+
+
+def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(tiny_llama, tmp_path):
+    workers = {name: WorkerProcess(tiny_llama, tmp_path / f"{name}.log", "--max-active", "1", launcher=HARNESS,
+                                   env={"HARNESS_STEP_DELAY_S": "0.05"}) for name in ("a", "b")}
+    router = None
+    try:
+        for worker in workers.values():
+            worker.wait_for_health()
+        router = RouterProcess(tiny_llama, tmp_path / "router.log", [f"{n}=cpu@{w.address}" for n, w in workers.items()],
+                               "--replace-interval-s", "0.2", "--metrics-port", str(free_port()))
+        router.wait_for_health(SERVING)
+        router.wait_for_backends({"a", "b"})
+        blocker_a = _occupy(workers["a"], "blocker-a", 200)
+        blocker_b = _occupy(workers["b"], "blocker-b", 400)
+        wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
+
+        prompt = list(range(40, 70))
+        stream = router.stub.Generate(router_pb2.RouteRequest(
+            request_id="moving", prompt_token_ids=worker_pb2.TokenIds(ids=prompt), max_new_tokens=8,
+            ignore_eos=True, sampling=GREEDY), timeout=120)
+        first = next(stream)
+        assert first.decision.chosen_worker == "a"  # b's blocker has further to go
+        blocker_b.cancel()  # b frees up while the request waits behind a's blocker
+        responses = list(stream)
+
+        decisions = [r.decision for r in responses if r.HasField("decision")]
+        assert [d.chosen_worker for d in decisions] == ["b"]
+        assert list(decisions[0].moved_from) == ["a"] and "b predicts" in decisions[0].move_reason
+        token_responses = [r for r in responses if r.token_ids]
+        assert [t for r in token_responses for t in r.token_ids] == hf_greedy(tiny_llama, prompt, 8)
+        assert {r.worker for r in token_responses} == {"b"}
+        assert responses[-1].result.usage.output_tokens == 8
+
+        moves = [json.loads(line.split("tandem.router.decisions: ", 1)[1]) for line in router.log().splitlines()
+                 if '"event": "move"' in line]
+        assert [(m["request_id"], m["from"], m["to"]) for m in moves] == [("moving", "a", "b")]
+        counted = scrape_metrics(router)
+        assert counted[("tandem_router_moves_total", (("cause", moves[0]["cause"]), ("from_worker", "a"),
+                                                      ("to_worker", "b")))] == 1
+        assert _load(workers["a"]) == (1, 0)  # only its blocker: the withdrawn request was cancelled there
+        blocker_a.cancel()
+        assert_no_leaks(router, workers)
+    finally:
+        for process in (router, *workers.values()):
+            if process is not None:
+                process.close()
