@@ -1,5 +1,5 @@
 """`make bench-matrix`: the routing policies against the best-tuned GPU-only setup over a matrix of
-scenarios, in simulation (profile seed-m2). Writes bench/results/matrix.json.
+scenarios, in simulation (profile seed-m2). Writes bench/results/matrix.json, and matrix.md beside it.
 
 Axes: seed-burst at N = 8 and 48; Poisson arrivals at about 50, 80 and 95% of the hybrid's capacity,
 with outputs of 0.3 and 1.0 of the budget and prefix shares 0 and 0.9; long contexts of 2k, 8k, 16k and
@@ -80,7 +80,7 @@ def _summary(profile, cpu_workers: int, gpu_max_active: int, workload, policy: s
     if summary["outcomes"] != {"OK": len(workload.requests)}:
         raise RuntimeError(f"{policy} at GPU max_active {gpu_max_active}: {summary['outcomes']}")
     return {"makespan_s": summary["makespan_s"], "ttft_p95_s": summary["ttft_p95_s"],
-            "offloaded_to_cpu": summary["offloaded_to_cpu"], "gpu_max_active": gpu_max_active}
+            "offloaded_to_cpu": summary["offloaded_to_cpu"], "moves": summary["moves"], "gpu_max_active": gpu_max_active}
 
 
 def _poisson_rate(cell: Cell, profile) -> float:
@@ -124,14 +124,36 @@ def summarize(results: list[dict]) -> dict:
     def stats(gains: list[float]) -> dict:
         return {"min_gain": min(gains), "mean_gain": sum(gains) / len(gains)}
 
-    helpful = [r for r in results if r["helpful"]]
+    def helpful_min(policy: str) -> float | None:
+        return min((r["policies"][policy]["gain"] for r in results if r["helpful"]), default=None)
+
     return {
-        "policy": DEFAULT_POLICY, **stats([r["gain"] for r in results]),
-        "helpful_min_gain": min(r["gain"] for r in helpful),
+        "policy": DEFAULT_POLICY, **stats([r["gain"] for r in results]), "helpful_min_gain": helpful_min(DEFAULT_POLICY),
         "by_policy": {policy: {**stats([r["policies"][policy]["gain"] for r in results]),
-                               "helpful_min_gain": min(r["policies"][policy]["gain"] for r in helpful)}
-                      for policy in POLICIES},
+                               "helpful_min_gain": helpful_min(policy)} for policy in POLICIES},
     }
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+def render_markdown(report: dict) -> str:
+    summary = report["summary"]
+    lines = [f"# Routing policies against the best-tuned GPU-only setup (simulated, {report['profile']})", "",
+             f"Default policy `{summary['policy']}`: min gain {summary['min_gain']:+.1%}, mean gain "
+             f"{summary['mean_gain']:+.1%}, min gain where hybrid can help {_percent(summary['helpful_min_gain'])}.",
+             *(f"`{policy}`: min gain {entry['min_gain']:+.1%}, mean {entry['mean_gain']:+.1%}, where hybrid can help "
+               f"{_percent(entry['helpful_min_gain'])}." for policy, entry in summary["by_policy"].items()), "",
+             "| cell | best GPU-only s (max_active) | " + " | ".join(f"`{p}` gain" for p in report["policies_compared"])
+             + " | moves | TTFT p95 s, GPU-only → default |", "|" + " --- |" * (4 + len(report["policies_compared"]))]
+    for cell in report["cells"]:
+        gains = " | ".join(f"{cell['policies'][p]['gain']:+.1%}" for p in report["policies_compared"])
+        lines.append(f"| {cell['name']}{' (can help)' if cell['helpful'] else ''} | "
+                     f"{cell['best_gpu_only_makespan_s']:.2f} ({cell['gpu_max_active']}) | {gains} | "
+                     f"{cell['policies'][cell['policy']]['moves']} | "
+                     f"{cell['best_gpu_only_ttft_p95_s']:.2f} → {cell['ttft_p95_s']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -153,6 +175,7 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("matrix.json" if not args.only else "matrix-partial.json")
     path.write_text(json.dumps(report, indent=2) + "\n")
+    path.with_suffix(".md").write_text(render_markdown(report))
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {path}", file=sys.stderr)
     return 0

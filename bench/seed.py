@@ -281,7 +281,14 @@ def main() -> int:
     parser.add_argument("--live-repeats", type=int, default=3)
     parser.add_argument("--live-policies", nargs="+", default=["cost", "gpu_only"])
     parser.add_argument("--sensitivity-fixed-share", type=float, default=0.8)
+    parser.add_argument("--live-only", action="store_true",
+                        help="only the live runs, each beside the simulator's prediction: bench/results/seed-live.json")
     args = parser.parse_args()
+    if args.live_only:
+        live = live_report(args.live_sizes, args.live_repeats, args.live_policies)
+        write_json(RESULTS / "seed-live.json", live)
+        print(f"wrote {RESULTS / 'seed-live.json'}", file=sys.stderr)
+        return 0
 
     started = time.perf_counter()
     report = {"simulation": simulation_report(args.sensitivity_fixed_share)}
