@@ -47,12 +47,13 @@ class Cell:
     helpful: bool = False  # a cell where the hybrid is expected to gain (the +8% target)
 
     def build(self, rate_per_s: float | None = None):
-        arguments = dict(self.arguments)
+        """The cell's workload; a Poisson cell's at ``rate_per_s`` (its load only sets that rate)."""
+        arguments = {name: value for name, value in self.arguments if name != "load"}
         if self.workload == "seed-burst":
             return seed_burst(vocab_size=VOCAB, **arguments)
         if self.workload == "long-context":
             return long_context(vocab_size=VOCAB, **arguments)
-        return poisson(vocab_size=VOCAB, rate_per_s=rate_per_s or 1.0, **arguments)
+        return poisson(vocab_size=VOCAB, rate_per_s=rate_per_s, **arguments)
 
 
 def cells() -> list[Cell]:
@@ -86,23 +87,16 @@ def _summary(profile, cpu_workers: int, gpu_max_active: int, workload, policy: s
 def _poisson_rate(cell: Cell, profile) -> float:
     """Requests per second at the cell's load: the load times the hybrid's capacity for this request mix,
     measured as the throughput of the same requests all arriving at once, under the faster policy."""
-    arguments = dict(cell.arguments)
-    load = arguments.pop("load")
-    burst = poisson(vocab_size=VOCAB, rate_per_s=1e9, **arguments)
+    burst = cell.build(rate_per_s=1e9)
     makespan = min(_summary(profile, cell.cpu_workers, CAPACITY_GPU_MAX_ACTIVE, burst, policy)["makespan_s"]
                    for policy in POLICIES)
-    return load * len(burst.requests) / makespan
+    return dict(cell.arguments)["load"] * len(burst.requests) / makespan
 
 
 def run_cell(cell: Cell) -> dict:
     profile = seed_m2(fixed_share=cell.fixed_share)
-    rate = None
-    if cell.workload == "poisson":
-        rate = _poisson_rate(cell, profile)
-        arguments = {k: v for k, v in cell.arguments if k != "load"}
-        workload = poisson(vocab_size=VOCAB, rate_per_s=rate, **arguments)
-    else:
-        workload = cell.build()
+    rate = _poisson_rate(cell, profile) if cell.workload == "poisson" else None
+    workload = cell.build(rate)
     sweep = [_summary(profile, cell.cpu_workers, k, workload, "gpu_only") for k in GPU_MAX_ACTIVE]
     gpu_only = min(sweep, key=lambda r: r["makespan_s"])
     by_policy = {}

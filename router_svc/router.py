@@ -116,6 +116,7 @@ class Router:
                             streamed += len(response.token_ids)
                             if response.HasField("result"):
                                 _record_result(span, response.result)
+                                metrics.E2E.labels(request.frontend).observe(time.monotonic() - started)
                                 self.output_lengths.observe(request.length_key, response.result.usage.output_tokens,
                                                             request.max_new_tokens)
                             yield WorkerOutput(backend.name, response)

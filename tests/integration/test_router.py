@@ -191,6 +191,8 @@ def test_decisions_are_logged_as_json_lines_and_counted_in_metrics(stack):
     ok = ("tandem_router_rpcs_total", (("code", "OK"), ("method", "Generate")))
     assert after[ok] - before.get(ok, 0) == 1
     assert after[("tandem_router_time_to_first_token_seconds_count", (("frontend", "grpc"),))] >= 1
+    e2e = ("tandem_router_request_duration_seconds_count", (("frontend", "grpc"),))
+    assert after[e2e] - before.get(e2e, 0) == 1
     assert any(key[0] == "tandem_router_worker_score_seconds_bucket" for key in after)
 
 
