@@ -20,6 +20,9 @@
 #include <stdlib.h>
 
 #define TILE_N 3
+/* How far ahead of its reads tandem_linear_f16 prefetches the weights: left to the hardware prefetcher,
+ * the weight stream stalls the arithmetic of a batch of rows instead of overlapping it. */
+#define PREFETCH_BYTES 8192
 
 #ifdef __AVX512F__
 #define TILE_M 8 /* 24 accumulators of the 32 vector registers */
@@ -93,6 +96,8 @@ static inline __attribute__((always_inline)) void tile(
             acc[m][n] = chunk_zero();
     for (int64_t k = 0; k < k_size; k += CHUNK) {
         chunk_vector wv[TILE_N];
+        _mm_prefetch((const char *)(w + k * TILE_N) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k * TILE_N) + PREFETCH_BYTES + 64, _MM_HINT_T0);
         for (int n = 0; n < TILE_N; n++)
             wv[n] = chunk_load_f16(w + k * TILE_N + n * CHUNK);
         for (int m = 0; m < rows_m; m++) {
@@ -266,30 +271,59 @@ static void merge_state(attention_state state, attention_state more, int rows, i
     }
 }
 
+/* Where the next position of a range is in the paged cache: its block table entry and offset, and the
+ * slot of the last position found. */
+typedef struct {
+    const int64_t *block_table;
+    int64_t block, offset, slot;
+} position_cursor;
+
+/* The key and value rows of the next `count` positions (KEYS rows: a row past them repeats the last
+ * one; its score is masked), each prefetched into L1: they are read a group later, so the loads of one
+ * group overlap the arithmetic of the one before. */
+static void gather_rows(position_cursor *cursor, int count, const float *k_cache, const float *v_cache,
+                        int64_t block_size, int64_t kv_stride, int64_t kv_head, int64_t head_dim,
+                        const float *keys[KEYS], const float *values[KEYS])
+{
+    for (int t = 0; t < KEYS; t++) {
+        if (t < count) {
+            cursor->slot = cursor->block_table[cursor->block] * block_size + cursor->offset;
+            if (++cursor->offset == block_size) {
+                cursor->offset = 0;
+                cursor->block++;
+            }
+            for (int64_t d = 0; d < head_dim; d += 64 / sizeof(float)) {
+                _mm_prefetch((const char *)(k_cache + cursor->slot * kv_stride + kv_head * head_dim + d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + cursor->slot * kv_stride + kv_head * head_dim + d), _MM_HINT_T0);
+            }
+        }
+        keys[t] = k_cache + cursor->slot * kv_stride + kv_head * head_dim;
+        values[t] = v_cache + cursor->slot * kv_stride + kv_head * head_dim;
+    }
+}
+
 /* Advances the state of `rows` query rows (queries: rows × head_dim floats, already scaled) over
  * positions [begin, end) of one key-value head, read through the block table, KEYS keys at a time: each
  * key and value row is loaded from memory once for all the query rows, three at a time from L1. */
-static void attend_positions(const float *queries, int rows, attention_state state, const float *k_cache,
-                             const float *v_cache, const int64_t *block_table, int64_t begin, int64_t end,
-                             int64_t block_size, int64_t kv_stride, int64_t kv_head, int64_t head_dim)
+static inline __attribute__((always_inline)) void attend_positions_of(
+    const float *queries, int rows, attention_state state, const float *k_cache, const float *v_cache,
+    const int64_t *block_table, int64_t begin, int64_t end, int64_t block_size, int64_t kv_stride, int64_t kv_head,
+    int64_t head_dim)
 {
     float scores[3][KEYS], corrections[3];
     const __m256 lane_index = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), past = _mm256_set1_ps(-INFINITY);
-    int64_t block = begin / block_size, offset = begin % block_size, slot = 0;
-    for (int64_t start = begin; start < end; start += KEYS) {
+    position_cursor cursor = {block_table, begin / block_size, begin % block_size, 0};
+    const float *rows_of[2][2][KEYS]; /* [group parity][keys, values] */
+    if (begin < end)
+        gather_rows(&cursor, end - begin < KEYS ? (int)(end - begin) : KEYS, k_cache, v_cache, block_size,
+                    kv_stride, kv_head, head_dim, rows_of[0][0], rows_of[0][1]);
+    for (int64_t start = begin, group = 0; start < end; start += KEYS, group++) {
         int count = end - start < KEYS ? (int)(end - start) : KEYS;
-        const float *keys[KEYS], *values[KEYS];
-        for (int t = 0; t < KEYS; t++) {
-            if (t < count) { /* a key past the range repeats the last one; its score is masked */
-                slot = block_table[block] * block_size + offset;
-                if (++offset == block_size) {
-                    offset = 0;
-                    block++;
-                }
-            }
-            keys[t] = k_cache + slot * kv_stride + kv_head * head_dim;
-            values[t] = v_cache + slot * kv_stride + kv_head * head_dim;
-        }
+        int64_t next = start + KEYS;
+        if (next < end)
+            gather_rows(&cursor, end - next < KEYS ? (int)(end - next) : KEYS, k_cache, v_cache, block_size,
+                        kv_stride, kv_head, head_dim, rows_of[(group + 1) % 2][0], rows_of[(group + 1) % 2][1]);
+        const float *const *keys = rows_of[group % 2][0], *const *values = rows_of[group % 2][1];
         for (int first = 0; first < rows; first += 3) {
             int heads = rows - first < 3 ? rows - first : 3;
             const float *q = queries + first * head_dim;
@@ -328,6 +362,22 @@ static void attend_positions(const float *queries, int rows, attention_state sta
                                       1);
         }
     }
+}
+
+/* The same, compiled apart for the common head sizes, so that their loops over a head unroll into
+ * registers. */
+static void attend_positions(const float *queries, int rows, attention_state state, const float *k_cache,
+                             const float *v_cache, const int64_t *block_table, int64_t begin, int64_t end,
+                             int64_t block_size, int64_t kv_stride, int64_t kv_head, int64_t head_dim)
+{
+#define ATTEND(size) attend_positions_of(queries, rows, state, k_cache, v_cache, block_table, begin, end, \
+                                         block_size, kv_stride, kv_head, size)
+    switch (head_dim) {
+    case 64: ATTEND(64); break;
+    case 128: ATTEND(128); break;
+    default: ATTEND(head_dim);
+    }
+#undef ATTEND
 }
 
 /* Positions every sequence reads from the same blocks: the leading block-table entries all the tables
