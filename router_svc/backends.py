@@ -154,6 +154,18 @@ class Backend:
             self._probes = ProbeStream(self.stub)
         return self._probes.ask(request)
 
+    async def estimate_prompts(self, prompts: list[list[int]], timeout: float) -> list[tuple[int, int]] | None:
+        """The worker's state now (kept as ``state``) and, for each prompt, (cached tokens, of those
+        evictable); None when the worker does not answer within ``timeout`` seconds."""
+        request = worker_pb2.EstimatePromptsRequest(prompts=[worker_pb2.TokenIds(ids=ids) for ids in prompts])
+        try:
+            answer = await self.stub.EstimatePrompts(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            logger.debug("EstimatePrompts on %s failed: %s", self.name, exc.code().name)
+            return None
+        self.update(answer.state)
+        return [(prompt.cached_tokens, prompt.cached_tokens_evictable) for prompt in answer.prompts]
+
     def close_probes(self) -> None:
         if self._probes is not None:
             self._probes.close()

@@ -8,14 +8,22 @@ earlier. Only requests routed by ``finish_time`` move, only while the worker rep
 token produced, none streamed), and at most ``MAX_MOVES`` times; the margin (``MOVE_MARGIN`` of the
 current estimate, and at least ``MIN_MOVE_GAIN_S``) is the hysteresis that keeps a request from moving
 back and forth between two workers whose estimates are close.
+
+The check runs for all waiting requests at once, every ``CHECK_INTERVAL_S``: each worker's next waiting
+requests (as many as it runs at once, in its queue order) are the candidates, every worker is asked once
+for its state and its cache's hold on the candidates' prompts, and the candidates are considered in turn
+(``plan_moves``), each seeing the moves decided before it, so that one worker freeing up does not draw
+every waiting request at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router_svc.policy import RouteInput, WorkerView, finish_time_score, queued_finish_time
+from router_svc.routing import Credit, WorkerReport, build_view
 
 MAX_MOVES = 2
 MOVE_MARGIN = 0.2
@@ -67,3 +75,63 @@ def consider_move(request_id: str, request: RouteInput, current: WorkerView, oth
         return None
     cause = ESTIMATE_GREW if here > placed_s * (1 + MOVE_MARGIN) else EARLIER_ELSEWHERE
     return Move(current.name, best.worker, cause, here, best.score, placed_s)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A request routed by ``finish_time`` to ``worker``, with no token yet: a candidate for a move.
+
+    ``placed_s`` is its finish estimate there when it was placed, at ``placed_at`` (the same clock as the
+    ``now`` of ``plan_moves``); ``excluded`` are the workers it may not go to (failed it, or left by a move).
+    """
+
+    request_id: str
+    request: RouteInput
+    worker: str
+    placed_s: float
+    placed_at: float
+    moves: int = 0
+    excluded: frozenset[str] = frozenset()
+
+
+def candidates(waiting: Mapping[str, Waiting], reports: Mapping[str, WorkerReport]) -> list[Waiting]:
+    """The waiting requests a round considers: on each worker, those among its next ``max_active_requests``
+    waiting requests in its queue order (the ones it would start next)."""
+    chosen = []
+    for report in reports.values():
+        queued = [work.request_id for work in report.requests if not work.running][:report.max_active_requests]
+        chosen += [waiting[rid] for rid in queued if rid in waiting and waiting[rid].worker == report.name]
+    return chosen
+
+
+def plan_moves(round_candidates: Sequence[Waiting], reports: Mapping[str, WorkerReport],
+               credits: Mapping[str, Sequence[Credit]], cached: Mapping[tuple[str, str], tuple[int, int]],
+               now: float) -> list[tuple[Waiting, Move]]:
+    """One round of the check over the workers' reports: the moves to make, in order.
+
+    Args:
+        round_candidates: in the order they are considered (``candidates``).
+        reports: each worker's report, as fresh as the round's answers.
+        credits: each worker's requests the router sent it that its report may not show yet.
+        cached: (request id, worker) -> (cached tokens, of those evictable) of the request's prompt on that
+            worker; a worker without an entry is not a destination for that request.
+        now: the clock of ``Waiting.placed_at``.
+    """
+    added: dict[str, list[Credit]] = defaultdict(list)  # the requests this round has moved to each worker
+
+    def view(name: str, cached_tokens: int = 0, evictable: int = 0) -> WorkerView:
+        return build_view(reports[name], cached_tokens, [*credits.get(name, ()), *added[name]], "estimate", evictable)
+
+    moves = []
+    for entry in round_candidates:
+        if entry.worker not in reports:
+            continue
+        others = [view(name, *cached[entry.request_id, name]) for name in reports
+                  if name != entry.worker and name not in entry.excluded and (entry.request_id, name) in cached]
+        move = consider_move(entry.request_id, entry.request, view(entry.worker), others,
+                             entry.placed_s - (now - entry.placed_at), entry.moves)
+        if move is not None:
+            moves.append((entry, move))
+            uncached = entry.request.prompt_tokens - cached[entry.request_id, move.to_worker][0]
+            added[move.to_worker].append(Credit(entry.request_id, max(0, uncached), entry.request.max_new_tokens))
+    return moves

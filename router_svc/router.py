@@ -4,7 +4,6 @@ converts its requests in and its events out."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -17,7 +16,8 @@ from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry, probe_all
 from router_svc.output_lengths import OutputLengths
 from router_svc.policy import RouteInput, WorkerView
-from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, consider_move
+from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, Waiting
+from router_svc.replacer import Replacer
 from router_svc.routing import Failover, RoutingError, Status, WorkerCallFailed, WorkerStatus, route
 from tandem.decision import RoutingDecision
 from tandem.telemetry import child_span, mark_failed, mark_failed_status, tracer
@@ -62,8 +62,8 @@ class WorkerOutput:
 class Router:
     """Routes requests over the registry's workers, each whole request to the worker its policy picks.
 
-    ``replace_interval_s``: how often a request routed by ``finish_time`` and still waiting on its worker
-    is checked for a move (``router_svc.replacement``); 0 never moves one.
+    ``replace_interval_s``: how often the requests routed by ``finish_time`` and still waiting on their
+    workers are checked for a move (``router_svc.replacement``); 0 never moves one.
     """
 
     def __init__(self, registry: BackendRegistry, admission: Admission, probe_deadline_s: float,
@@ -71,7 +71,7 @@ class Router:
         self.registry = registry
         self.admission = admission
         self.probe_deadline_s = probe_deadline_s
-        self.replace_interval_s = replace_interval_s
+        self.replacer = Replacer(registry, replace_interval_s) if replace_interval_s else None
         self.output_lengths = OutputLengths(on_update=metrics.set_output_fraction)
         self._sequence = 0
 
@@ -106,9 +106,12 @@ class Router:
                         decision_log.info(json.dumps(decision.log_record(request.request_id)))
                         metrics.record_decision(decision)
                     first: list[worker_pb2.GenerateResponse] = []
-                    if request.policy == "finish_time" and self.replace_interval_s and len(moves) < MAX_MOVES:
-                        first, move = await self._first_response_or_move(call, request, decision, placed_at,
-                                                                         failover, moves)
+                    if request.policy == "finish_time" and self.replacer is not None and len(moves) < MAX_MOVES:
+                        waiting = Waiting(request.request_id, self._route_input(request), decision.chosen_worker,
+                                          decision.chosen.score_s, placed_at, len(moves),
+                                          frozenset(_excluded(failover, moves)))
+                        first, move = await self.replacer.first_response_or_move(
+                            call, waiting, request.prompt_token_ids, lambda: self._route_input(request))
                     if move is None:
                         async for response in _chained(first, call):
                             if response.token_ids and not streamed:
@@ -180,32 +183,6 @@ class Router:
         return RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence,
                           lengths.expected_tokens(request.length_key, request.max_new_tokens), lengths.fraction())
 
-    async def _first_response_or_move(self, call, request: RoutedRequest, decision: RoutingDecision, placed_at: float,
-                                      failover: Failover, moves: list[Move]):
-        """Waits for the worker's first response, checking every ``replace_interval_s`` meanwhile whether the
-        request should move (``consider_move``). Returns ([the first response], None), ([], None) when the
-        call ended without one, or ([], the move) with the call still unanswered."""
-        first = asyncio.ensure_future(_next_response(call))
-        try:
-            while not first.done():
-                await asyncio.wait({first}, timeout=self.replace_interval_s)
-                if first.done():
-                    break
-                views = await self._views(request, _excluded(failover, moves))
-                current = next((view for view in views if view.name == decision.chosen_worker), None)
-                if current is None:
-                    continue
-                others = [view for view in views if view.name != current.name]
-                placed_s = decision.chosen.score_s - (time.monotonic() - placed_at)
-                move = consider_move(request.request_id, self._route_input(request), current, others, placed_s,
-                                     len(moves))
-                if move is not None and not first.done():
-                    return [], move
-            response = first.result()
-            return ([] if response is None else [response]), None
-        finally:
-            first.cancel()
-
     def _workers(self) -> list[WorkerStatus]:
         return [WorkerStatus(b.name, b.kind, b.describe()) for b in self.registry.backends.values()]
 
@@ -213,14 +190,6 @@ class Router:
 def _excluded(failover: Failover, moves) -> set[str]:
     """Workers a request is not routed to again: those that failed it and those it moved away from."""
     return set(failover.failures) | {move.from_worker for move in moves}
-
-
-async def _next_response(call) -> worker_pb2.GenerateResponse | None:
-    """The call's next response, None at its end."""
-    try:
-        return await call.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def _chained(first: list, call) -> AsyncIterator[worker_pb2.GenerateResponse]:

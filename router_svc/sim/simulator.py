@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from router_svc.output_lengths import OutputLengths
 from router_svc.policy import POLICIES, Decision, NoEligibleWorker, QueuedWork, RouteInput, WorkerView
-from router_svc.replacement import CHECK_INTERVAL_S, Move, consider_move
+from router_svc.replacement import CHECK_INTERVAL_S, Move, Waiting, candidates, plan_moves
 from router_svc.routing import WorkerReport, build_view
 from router_svc.sim.profiles import WorkerProfile
 from tandem.bench.results import OK, RequestRecord, summarize
@@ -55,8 +55,12 @@ class SimWorker:
         self.max_running = 0
 
     def view(self, prompt_token_ids: tuple[int, ...]) -> WorkerView:
+        cached = self.scheduler.pool.cached_prefix(prompt_token_ids)
+        return build_view(self.report(), cached.tokens, cached_evictable_tokens=cached.evictable_tokens)
+
+    def report(self) -> WorkerReport:
         rates, pool = self.rates, self.scheduler.pool
-        report = WorkerReport(
+        return WorkerReport(
             name=self.name, kind=self.profile.kind, device=f"sim-{self.profile.kind}",
             requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_budget, request_id=r.req_id,
                                       cached_tokens=r.cached_tokens)
@@ -68,8 +72,6 @@ class SimWorker:
             block_size=pool.block_size, kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_free_blocks,
         )
-        cached = pool.cached_prefix(prompt_token_ids)
-        return build_view(report, cached.tokens, cached_evictable_tokens=cached.evictable_tokens)
 
     def fits(self, request: WorkloadRequest) -> bool:
         """The engine's admission check: prompt plus budget must fit the KV cache at all."""
@@ -160,15 +162,15 @@ class _Placement:
     request: WorkloadRequest
     placed_s: float
     placed_at: float
-    moves: int = 0
+    left: tuple[str, ...] = ()  # the workers it moved away from
 
 
 def simulate(workers: dict[str, WorkerProfile], workload: Workload, policy: str = "cost",
              keep_decisions: bool = False) -> SimResult:
     """Run ``workload`` through ``policy`` over simulated ``workers`` and return every request's record.
 
-    Under ``finish_time``, as in the router, every ``CHECK_INTERVAL_S`` each worker's next waiting requests
-    (as many as it runs at once) are checked for a move (``router_svc.replacement``)."""
+    Under ``finish_time``, as in the router, every ``CHECK_INTERVAL_S`` the waiting requests are checked for a
+    move by the router's own rule (``router_svc.replacement``)."""
     decide = POLICIES[policy]
     clock = VirtualClock()
     sim_workers = [SimWorker(name, profile, clock) for name, profile in workers.items()]
@@ -265,23 +267,33 @@ def _route_input(request: WorkloadRequest, lengths: OutputLengths, sequence: int
 
 def _replace_waiting(workers: list[SimWorker], lengths: OutputLengths, pending: dict[str, _Placement], now: float,
                      result: SimResult) -> None:
-    """The router's re-placement check (``consider_move``) for each worker's next waiting requests."""
+    """One round of the router's re-placement check (``candidates``, ``plan_moves``), its moves made at once."""
+    by_name = {worker.name: worker for worker in workers}
+    reports = {worker.name: worker.report() for worker in workers}
+    waiting = {}
     for worker in workers:
-        for engine_request in list(worker.scheduler.waiting)[:worker.profile.scheduler.max_active_requests]:
+        for engine_request in worker.scheduler.waiting:
             placement = pending[engine_request.req_id]
-            request = placement.request
-            others = [other for other in workers if other is not worker and other.fits(request)]
-            move = consider_move(request.req_id, _route_input(request, lengths), worker.view(request.prompt_token_ids),
-                                 [other.view(request.prompt_token_ids) for other in others],
-                                 placement.placed_s - (now - placement.placed_at), placement.moves)
-            if move is None:
-                continue
-            target = next(other for other in others if other.name == move.to_worker)
-            try:
-                target.add(request)
-            except QueueFullError:
-                continue
-            worker.scheduler.finish(engine_request, RequestStatus.FINISHED_ABORTED)
-            del worker.output_targets[request.req_id]
-            pending[request.req_id] = _Placement(request, move.to_s, now, placement.moves + 1)
-            result.moves.append((request.req_id, move))
+            unfit = tuple(other.name for other in workers if not other.fits(placement.request))
+            waiting[engine_request.req_id] = Waiting(engine_request.req_id, _route_input(placement.request, lengths),
+                                                     worker.name, placement.placed_s, placement.placed_at,
+                                                     len(placement.left), frozenset(placement.left + unfit))
+    considered = candidates(waiting, reports)
+    cached = {}
+    for entry in considered:
+        prompt = pending[entry.request_id].request.prompt_token_ids
+        for name in reports.keys() - entry.excluded - {entry.worker}:
+            prefix = by_name[name].scheduler.pool.cached_prefix(prompt)
+            cached[entry.request_id, name] = (prefix.tokens, prefix.evictable_tokens)
+    for entry, move in plan_moves(considered, reports, {}, cached, now):
+        source, target = by_name[entry.worker], by_name[move.to_worker]
+        placement = pending[entry.request_id]
+        try:
+            target.add(placement.request)
+        except QueueFullError:
+            continue
+        engine_request = next(r for r in source.scheduler.waiting if r.req_id == entry.request_id)
+        source.scheduler.finish(engine_request, RequestStatus.FINISHED_ABORTED)
+        del source.output_targets[entry.request_id]
+        pending[entry.request_id] = _Placement(placement.request, move.to_s, now, placement.left + (source.name,))
+        result.moves.append((entry.request_id, move))

@@ -25,12 +25,14 @@ from tandem.worker import metrics
 logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.worker")
 _record_generate_status = metrics.rpc_status_recorder("Generate")
+_record_estimate_prompts = metrics.rpc_status_recorder("EstimatePrompts")
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MIN_WATCH_INTERVAL_S = 0.01
 MAX_WATCH_INTERVAL_S = 60.0
+MAX_ESTIMATE_PROMPTS = 1024
 WATCH_COALESCE_S = 0.01
 
 _FINISH_REASONS = {
@@ -131,6 +133,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         engine = await self._require_state(context)
         async for request in requests:
             yield self._estimate(engine, request)
+
+    async def EstimatePrompts(self, request: worker_pb2.EstimatePromptsRequest, context: grpc.aio.ServicerContext):
+        if len(request.prompts) > MAX_ESTIMATE_PROMPTS:
+            _record_estimate_prompts(grpc.StatusCode.INVALID_ARGUMENT)
+            await _abort_for(context, InvalidRequestError("prompts", f"at most {MAX_ESTIMATE_PROMPTS} prompts, got "
+                                                                     f"{len(request.prompts)}"))
+        engine = await self._require_state(context)
+        state = self._state_message(engine.state(), CachedPrefix(0, 0))
+        cached = [engine.cached_prefix(list(prompt.ids)) for prompt in request.prompts]
+        _record_estimate_prompts(grpc.StatusCode.OK)
+        return worker_pb2.EstimatePromptsResponse(
+            state=state, prompts=[worker_pb2.CachedPrompt(cached_tokens=c.tokens, cached_tokens_evictable=c.evictable_tokens)
+                                  for c in cached])
 
     def _estimate(self, engine: AsyncEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
         return self._state_message(engine.state(), engine.cached_prefix(list(request.prompt_token_ids)))

@@ -1,10 +1,12 @@
 """Re-placement before the first token, end to end: a request waiting on one real worker is withdrawn
-when the other frees up, routed there, and completes exactly once."""
+when the other frees up, routed there, and completes exactly once; and the check asks each worker once
+per round, however many requests wait."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -81,6 +83,46 @@ def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(ti
                                                       ("to_worker", "b")))] == 1
         assert _load(workers["a"]) == (1, 0)  # only its blocker: the withdrawn request was cancelled there
         blocker_a.cancel()
+        assert_no_leaks(router, workers)
+    finally:
+        for process in (router, *workers.values()):
+            if process is not None:
+                process.close()
+
+
+def _estimate_prompts_calls(worker: WorkerProcess) -> float:
+    return scrape_metrics(worker).get(("tandem_worker_rpcs_total", (("code", "OK"), ("method", "EstimatePrompts"))), 0.0)
+
+
+def test_the_check_asks_each_worker_once_a_round_however_many_requests_wait(tiny_llama, tmp_path):
+    workers = {name: WorkerProcess(tiny_llama, tmp_path / f"{name}.log", "--max-active", "1", "--metrics-port",
+                                   str(free_port()), launcher=HARNESS, env={"HARNESS_STEP_DELAY_S": "0.05"})
+               for name in ("a", "b")}
+    router, streams = None, []
+    try:
+        for worker in workers.values():
+            worker.wait_for_health()
+        router = RouterProcess(tiny_llama, tmp_path / "router.log", [f"{n}=cpu@{w.address}" for n, w in workers.items()],
+                               "--replace-interval-s", "0.2")
+        router.wait_for_health(SERVING)
+        router.wait_for_backends({"a", "b"})
+        blockers = [_occupy(worker, f"blocker-{name}", 400) for name, worker in workers.items()]
+        wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
+        for index in range(6):
+            stream = router.stub.Generate(router_pb2.RouteRequest(
+                request_id=f"waiting-{index}", prompt_token_ids=worker_pb2.TokenIds(ids=list(range(40 + index, 70))),
+                max_new_tokens=4, ignore_eos=True, sampling=GREEDY), timeout=120)
+            threading.Thread(target=lambda call=stream: [None for _ in _drained(call)], daemon=True).start()
+            streams.append(stream)
+        wait_until(lambda: sum(_load(worker)[1] for worker in workers.values()) == 6, 30)
+
+        before = {name: _estimate_prompts_calls(worker) for name, worker in workers.items()}
+        time.sleep(2.0)  # about 10 rounds of 0.2 s
+        calls = {name: _estimate_prompts_calls(worker) - before[name] for name, worker in workers.items()}
+        assert all(3 <= n <= 12 for n in calls.values()), calls  # a call per waiting request would be 6 times more
+        assert sum(_load(worker)[1] for worker in workers.values()) == 6  # still waiting, none lost
+        for call in (*streams, *blockers):
+            call.cancel()
         assert_no_leaks(router, workers)
     finally:
         for process in (router, *workers.values()):

@@ -70,6 +70,19 @@ def test_estimate_stream_answers_every_probe_in_order(worker):
     assert all(answer.serving_state == common_pb2.SERVING_STATE_SERVING for answer in answers)
 
 
+def test_estimate_prompts_answers_every_prompt_from_one_call(worker):
+    prefix = list(range(340, 388))  # three full blocks of 16
+    generate(worker.stub, prompt_token_ids=ids(prefix + [5]), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
+    prompts = [prefix + [7], [1, 2, 3], prefix[:32] + [9]]
+    answer = worker.stub.EstimatePrompts(worker_pb2.EstimatePromptsRequest(prompts=[ids(p) for p in prompts]), timeout=5)
+    assert [(c.cached_tokens, c.cached_tokens_evictable) for c in answer.prompts] == [(48, 48), (0, 0), (32, 32)]
+    assert answer.state.serving_state == common_pb2.SERVING_STATE_SERVING and answer.state.cached_tokens == 0
+    with pytest.raises(grpc.RpcError) as info:
+        worker.stub.EstimatePrompts(worker_pb2.EstimatePromptsRequest(prompts=[ids([1])] * 1025), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("prompts:")
+    assert worker.health_status() == 1
+
+
 def test_cancel_mid_stream_frees_everything(worker):
     call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))), max_new_tokens=900,
                                                            sampling=GREEDY, ignore_eos=True), timeout=60)
