@@ -84,9 +84,11 @@ async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: st
 
 
 async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
-                     priority: str = DEFAULT_ENGINE_PRIORITY, device: str = "cpu", dtype: str | None = None) -> dict:
+                     priority: str = DEFAULT_ENGINE_PRIORITY, device: str = "cpu", dtype: str | None = None,
+                     cuda_graphs: bool = False) -> dict:
     engine = build_engine(model, device, dtype,
-                          scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512))
+                          scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512),
+                          cuda_graphs=cuda_graphs)
     rates = engine.rates.rates()
     runner = AsyncEngine(engine, priority=priority)
     runner.start()
@@ -194,6 +196,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="torch device of Tandem and every peer: cpu, cuda, cuda:1")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="weights and activations of all systems; auto: the device's natural dtype")
+    parser.add_argument("--cuda-graphs", action="store_true", help="Tandem replays steps of decodes from CUDA graphs")
     parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
 
@@ -207,7 +210,7 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     tandem = asyncio.run(run_tandem(str(model_dir), prompts, args.requests, args.max_new_tokens, args.repeats,
-                                    args.engine_priority, args.device, dtype_name))
+                                    args.engine_priority, args.device, dtype_name, args.cuda_graphs))
     results["tandem"] = tandem
     print(f"tandem: {tandem['output_tok_s']:.1f} tok/s, makespan {tandem['makespan_s']:.2f} s", flush=True)
     for name in [p for p in args.peers.split(",") if p]:
@@ -240,6 +243,7 @@ def main() -> None:
         "device": args.device,
         "dtype": dtype_name,
         "engine_priority": args.engine_priority,
+        "cuda_graphs": args.cuda_graphs,
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None},

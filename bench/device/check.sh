@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check that needs an NVIDIA GPU, in one run: the engine and worker tests on CUDA, the engine
-# benchmark on CUDA against transformers on the same GPU, where a decode step's time goes, and the live
-# hybrid benchmark (hybrid.sh). Usage: bench/device/check.sh OUT_DIR [tests|benchmarks|all]
+# benchmark on CUDA against transformers on the same GPU (and Tandem again with CUDA graphs), where a
+# decode step's time goes, eager and with CUDA graphs, and the live hybrid benchmark (hybrid.sh). Usage: bench/device/check.sh OUT_DIR [tests|benchmarks|all]
 #
 # `tests` needs no model download (the tests build tiny models); `benchmarks` provisions the default
 # model. TANDEM_WHEELS as for hybrid.sh; TANDEM_DEVICE_BUDGET_S bounds the hybrid part (200 s here).
@@ -25,6 +25,8 @@ if [[ "$part" == benchmarks || "$part" == all ]]; then
   "$python" -m tandem.cli provision > /dev/null || exit 1
   timeout 100 "$python" bench/engine.py --device cuda --output "$out/engine-cuda-8.json" 2>&1 \
     | tee "$out/engine.log" || status=1
+  timeout 60 "$python" bench/engine.py --device cuda --cuda-graphs --peers "" --output "$out/engine-cuda-8-graphs.json" \
+    2>&1 | tee -a "$out/engine.log" || status=1
   TANDEM_WHEELS= TANDEM_DEVICE_BUDGET_S="${TANDEM_DEVICE_BUDGET_S:-200}" "$repo/bench/device/hybrid.sh" "$out" || status=1
   timeout 50 "$python" bench/device/decode_step.py "$out" 2>&1 | tee "$out/decode-step.log" || status=1
   timeout 60 "$python" bench/engine.py --device cuda --requests 64 --repeats 2 \

@@ -1,5 +1,5 @@
-"""Where a decode step's time goes on a GPU: milliseconds per step at several batch sizes, against the
-time the weights alone take to stream from memory, and the step's GPU kernel time from the profiler.
+"""Where a decode step's time goes on a GPU: milliseconds per step at several batch sizes, eager and
+replayed from CUDA graphs, against the step's GPU kernel time from the profiler (eager).
 
 A step that takes about as long at batch 1 as at batch 64, and far longer than its kernels, is bound
 by launches and Python, not by the GPU. Writes decode-step.json (and the profiler's table) into the
@@ -21,6 +21,7 @@ from tandem.engine.model.factory import build_engine
 from tandem.engine.request import Request, SamplingParams
 
 TIMED_STEPS = 32
+BATCHES = (1, 8, 64)
 
 
 def synchronize(device: str) -> None:
@@ -59,15 +60,25 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
 
-    engine = build_engine(args.model, args.device, scheduler=SchedulerConfig(max_active_requests=64,
-                          max_num_batched_tokens=4096), cache=CacheConfig(num_kv_blocks=2048), calibrate=False)
+    def engine_with(cuda_graphs: bool):
+        engine = build_engine(args.model, args.device, scheduler=SchedulerConfig(max_active_requests=64,
+                              max_num_batched_tokens=4096), cache=CacheConfig(num_kv_blocks=2048), calibrate=False,
+                              cuda_graphs=cuda_graphs)
+        for batch in BATCHES:  # warm-up, and the graphs' capture, outside the timed steps
+            decode_steps(engine, batch, f"warmup{batch}")
+        return engine
+
+    graphs_engine = engine_with(True)
+    graphs_ms = {batch: decode_steps(graphs_engine, batch, f"g{batch}") for batch in BATCHES}
+    del graphs_engine
+    engine = engine_with(False)
     runner = engine.executor
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    decode_steps(engine, 8, "warmup")
     on_cuda = args.device.startswith("cuda")
     report = {"device": torch.cuda.get_device_name(args.device) if on_cuda else args.device,
               "dtype": str(runner.dtype), "weight_bytes": weight_bytes,
-              "ms_per_step": {batch: decode_steps(engine, batch, f"b{batch}") for batch in (1, 8, 64)}}
+              "ms_per_step": {batch: decode_steps(engine, batch, f"b{batch}") for batch in BATCHES},
+              "ms_per_step_cuda_graphs": graphs_ms}
 
     from torch.profiler import ProfilerActivity, profile
 

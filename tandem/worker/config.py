@@ -34,6 +34,7 @@ class WorkerConfig:
     device: str | None = None
     dtype: str | None = None
     decode_weights: str = DEFAULT_DECODE_WEIGHTS
+    cuda_graphs: bool = False
     threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -70,6 +71,9 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="float32 models on the CPU: the weights that decode steps (up to 32 rows) read; float16 "
                                  "keeps a second, half-size copy for them, read by a kernel built on first use (AVX2 or "
                                  "AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none")
+    parser.add_env_argument("--cuda-graphs", "TANDEM_CUDA_GRAPHS", "off", choices=["off", "on"],
+                            help="on CUDA: replay steps of decodes alone (up to 64 rows) from CUDA graphs, one launch "
+                                 "in place of every kernel of the step")
     parser.add_env_argument("--threads", "TANDEM_THREADS", None, type=positive_int,
                             help="torch CPU threads (default: all cores)")
     parser.add_env_argument("--max-active", "TANDEM_MAX_ACTIVE", 8, type=positive_int,
@@ -109,6 +113,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
             device=args.device,
             dtype=None if args.dtype == "auto" else args.dtype,
             decode_weights=args.decode_weights,
+            cuda_graphs=args.cuda_graphs == "on",
             threads=args.threads,
             scheduler=SchedulerConfig(
                 max_active_requests=args.max_active,

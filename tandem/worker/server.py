@@ -34,7 +34,7 @@ def load_engine(config: WorkerConfig) -> tuple[LLMEngine, WorkerIdentity, Path]:
     torch.set_num_threads(config.threads or default_threads())
     model_dir = resolve_model(config.model)
     engine = build_engine(str(model_dir), config.device, config.dtype, config.scheduler, config.cache,
-                          decode_weights=config.decode_weights)
+                          decode_weights=config.decode_weights, cuda_graphs=config.cuda_graphs)
     runner = engine.executor
     identity = WorkerIdentity(
         kind=config.kind,

@@ -80,3 +80,25 @@ def test_evicted_prefix_is_recomputed_correctly(tiny_llama):
     engine.add_request(greedy_request("after", prefix + [9], 12))
     outputs = run_to_completion(engine)
     assert output_tokens(outputs["after"]) == hf_greedy(tiny_llama, prefix + [9], 12)
+
+
+def test_steps_of_decodes_through_cuda_graphs_keep_outputs_exact(tiny_model):
+    """Steps of 3 decodes padded to graphs of 4 rows, contexts crossing from the 256-position graph to the
+    512 one, and a request joining late: on CUDA replayed from captured graphs, elsewhere the same padded
+    steps run eagerly."""
+    engine = make_engine(tiny_model, cuda_graphs=True, max_active_requests=4)
+    prompts = {f"r{i}": random_prompt(engine, length, seed=40 + i) for i, length in enumerate((250, 30, 120))}
+    for req_id, prompt in prompts.items():
+        engine.add_request(greedy_request(req_id, prompt, 24))
+    outputs: dict[str, list] = {}
+    for _ in range(12):
+        for output in engine.step():
+            outputs.setdefault(output.req_id, []).append(output)
+    prompts["late"] = random_prompt(engine, 20, seed=50)
+    engine.add_request(greedy_request("late", prompts["late"], 8))
+    for req_id, later in run_to_completion(engine).items():
+        outputs.setdefault(req_id, []).extend(later)
+    for req_id, prompt in prompts.items():
+        assert output_tokens(outputs[req_id]) == hf_greedy(tiny_model, prompt, 24 if req_id != "late" else 8), req_id
+    assert {(4, 256), (4, 512)} <= engine.executor.decode_graphs.shapes
+    assert_no_leaks(engine)

@@ -18,10 +18,12 @@ def build_engine(
     max_model_len: int | None = None,
     calibrate: bool = True,
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
+    cuda_graphs: bool = False,
 ) -> LLMEngine:
     """Load ``model`` (see ``resolve_model``) on ``device`` and return its engine, calibrated by default."""
     model_dir = resolve_model(model)
-    runner = ModelRunner(model_dir, device, dtype, cache, scheduler.block_size, max_model_len, decode_weights)
+    runner = ModelRunner(model_dir, device, dtype, cache, scheduler.block_size, max_model_len, decode_weights,
+                         cuda_graphs)
     engine = LLMEngine(runner, load_tokenizer(model_dir), scheduler)
     if calibrate:
         engine.calibrate()

@@ -11,6 +11,7 @@ import torch
 from tandem.engine.config import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, CacheConfig
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import BlockTables
+from tandem.engine.model.decode_graphs import DecodeGraphs
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
 from tandem.engine.model.loader import load_tensors
 from tandem.engine.model.sampler import sample
@@ -48,6 +49,8 @@ class ModelRunner:
         decode_weights: for a float32 model on the CPU, the weights that steps of few rows (decodes) read:
             "float16" keeps a second, half-size copy for them, read by a float16 kernel in float32
             arithmetic (float32 where that kernel cannot run here); "float32": none.
+        cuda_graphs: run steps of decodes alone through CUDA graphs (``decode_graphs``); meant for CUDA,
+            where an eager step is bound by kernel launches. Off CUDA the padded steps run eagerly.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class ModelRunner:
         block_size: int = 16,
         max_model_len: int | None = None,
         decode_weights: str = DEFAULT_DECODE_WEIGHTS,
+        cuda_graphs: bool = False,
     ):
         from transformers import AutoConfig, GenerationConfig
 
@@ -89,11 +93,14 @@ class ModelRunner:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bytes_per_block = 2 * config.num_hidden_layers * block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         self.num_kv_blocks = cache.num_kv_blocks or max(1, cache.kv_cache_bytes // bytes_per_block)
-        shape = (config.num_hidden_layers, self.num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
+        num_slots = self.num_kv_blocks * block_size + cuda_graphs  # the graphs' padding rows write past the blocks
+        shape = (config.num_hidden_layers, num_slots, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self._block_rows: dict[str, _BlockRow] = {}
         self.cos_table, self.sin_table = rope_tables(config, self.max_model_len, self.dtype, self.torch_device)
+        self.decode_graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, self.cos_table, self.sin_table,
+                                          num_slots - 1, self.max_model_len) if cuda_graphs else None
         logger.info("model %s on %s (%s, %s weights for decode steps): %d KV blocks of %d tokens", model_dir, self.device,
                     self.dtype, self.decode_dtype, self.num_kv_blocks, block_size)
 
@@ -115,6 +122,12 @@ class ModelRunner:
             slot_mapping.extend(self._slot(request.block_ids, p) for p in range(start, start + count))
             if item.samples:
                 sample_rows[id(item)] = len(input_ids) - 1
+
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and graphs.fits(len(decodes), max(item.start + 1 for item in decodes)):
+            contexts = [self._context_slots(item.request.block_ids, item.start + 1) for item in decodes]
+            logits = graphs.run(input_ids, positions, slot_mapping, contexts)
+            return self._sampled(items, logits, sample_rows)
 
         device = self.torch_device
         meta = AttentionMetadata(
@@ -148,7 +161,19 @@ class ModelRunner:
             self.cos_table,
             self.sin_table,
         )
-        tokens = iter(sample(logits, [item.request for item in sampling_items]) if sampling_items else [])
+        return self._sampled(items, logits, {id(item): row for row, item in enumerate(sampling_items)})
+
+    @staticmethod
+    def _sampled(items: list[ScheduledRequest], logits: torch.Tensor, logits_rows: dict[int, int]) -> list[int | None]:
+        """Each item's sampled token (None for a chunk that samples none); ``logits_rows``: the row of
+        ``logits`` of each sampling item, by ``id``."""
+        sampling_items = [item for item in items if item.samples]
+        if not sampling_items:
+            return [None] * len(items)
+        rows = [logits_rows[id(item)] for item in sampling_items]
+        if rows != list(range(len(logits))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens = iter(sample(logits, [item.request for item in sampling_items]))
         return [next(tokens) if item.samples else None for item in items]
 
     def _slot(self, block_ids: list[int], position: int) -> int:
