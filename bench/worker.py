@@ -2,7 +2,8 @@
 
 Starts a real cpu_worker on 127.0.0.1 with the default model and asks for an estimate of a 516-token
 prompt (496 of them cached) N times idle, then N times while 8 requests stream: each time as a unary
-Estimate call and as one message on an open EstimateStream call (as the router probes). Writes
+Estimate call and as one message on an open EstimateStream call (as the router probes), and as one
+EstimatePrompts call for 64 such prompts (as the re-placement check asks, once a round). Writes
 bench/results/worker.json with latency percentiles.
 """
 
@@ -21,6 +22,7 @@ from tandem.launch import ServiceProcess
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROUND_PROMPTS = 64
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:
@@ -55,9 +57,21 @@ def time_stream_estimates(stub, prompt: list[int], count: int) -> list[float]:
     return samples
 
 
+def time_estimate_prompts(stub, prompt: list[int], count: int) -> list[float]:
+    request = worker_pb2.EstimatePromptsRequest(prompts=[worker_pb2.TokenIds(ids=prompt)] * ROUND_PROMPTS)
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        answer = stub.EstimatePrompts(request, timeout=5)
+        samples.append(time.perf_counter() - start)
+    assert [c.cached_tokens for c in answer.prompts] == [496] * ROUND_PROMPTS
+    return samples
+
+
 def time_probes(stub, prompt: list[int], count: int) -> dict[str, dict[str, float]]:
     return {"estimate": percentiles(time_estimates(stub, prompt, count)),
-            "estimate_stream": percentiles(time_stream_estimates(stub, prompt, count))}
+            "estimate_stream": percentiles(time_stream_estimates(stub, prompt, count)),
+            f"estimate_prompts_{ROUND_PROMPTS}": percentiles(time_estimate_prompts(stub, prompt, max(1, count // 5)))}
 
 
 def main() -> None:

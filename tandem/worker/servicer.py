@@ -141,7 +141,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                                                      f"{len(request.prompts)}"))
         engine = await self._require_state(context)
         state = self._state_message(engine.state(), CachedPrefix(0, 0))
-        cached = [engine.cached_prefix(list(prompt.ids)) for prompt in request.prompts]
+        prompts = [list(prompt.ids) for prompt in request.prompts]
+        # Off the event loop: hashing many prompts' blocks would hold up the token streams it serves.
+        cached = await asyncio.to_thread(lambda: [engine.cached_prefix(ids) for ids in prompts])
         _record_estimate_prompts(grpc.StatusCode.OK)
         return worker_pb2.EstimatePromptsResponse(
             state=state, prompts=[worker_pb2.CachedPrompt(cached_tokens=c.tokens, cached_tokens_evictable=c.evictable_tokens)
