@@ -123,4 +123,3 @@ async def _next_response(call):
         return await call.__anext__()
     except StopAsyncIteration:
         return None
-

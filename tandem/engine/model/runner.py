@@ -124,10 +124,12 @@ class ModelRunner:
                 sample_rows[id(item)] = len(input_ids) - 1
 
         graphs = self.decode_graphs
-        if graphs is not None and not prefills and graphs.fits(len(decodes), max(item.start + 1 for item in decodes)):
+        if graphs is not None and decodes and not prefills \
+                and graphs.fits(len(decodes), max(item.start + 1 for item in decodes)):
             contexts = [self._context_slots(item.request.block_ids, item.start + 1) for item in decodes]
             logits = graphs.run(input_ids, positions, slot_mapping, contexts)
-            return self._sampled(items, logits, sample_rows)
+            rows = [sample_rows[id(item)] for item in items if item.samples]
+            return self._sampled(items, logits[torch.tensor(rows, device=logits.device)])
 
         device = self.torch_device
         meta = AttentionMetadata(
@@ -161,19 +163,14 @@ class ModelRunner:
             self.cos_table,
             self.sin_table,
         )
-        return self._sampled(items, logits, {id(item): row for row, item in enumerate(sampling_items)})
+        return self._sampled(items, logits)
 
     @staticmethod
-    def _sampled(items: list[ScheduledRequest], logits: torch.Tensor, logits_rows: dict[int, int]) -> list[int | None]:
-        """Each item's sampled token (None for a chunk that samples none); ``logits_rows``: the row of
-        ``logits`` of each sampling item, by ``id``."""
-        sampling_items = [item for item in items if item.samples]
-        if not sampling_items:
-            return [None] * len(items)
-        rows = [logits_rows[id(item)] for item in sampling_items]
-        if rows != list(range(len(logits))):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = iter(sample(logits, [item.request for item in sampling_items]))
+    def _sampled(items: list[ScheduledRequest], logits: torch.Tensor) -> list[int | None]:
+        """Each item's sampled token, None for a chunk that samples none; ``logits``: a row for each item
+        that samples, in order."""
+        sampling = [item.request for item in items if item.samples]
+        tokens = iter(sample(logits, sampling) if sampling else [])
         return [next(tokens) if item.samples else None for item in items]
 
     def _slot(self, block_ids: list[int], position: int) -> int:
