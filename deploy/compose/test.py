@@ -142,7 +142,7 @@ def wait_router_backends(address: str, kind_counts: dict[str, int], timeout_s: f
     try:
         while True:
             try:
-                backends = client.backends(timeout=5)
+                backends = client.backends(timeout=5).backends
             except Exception as exc:  # noqa: BLE001 - the router may still be starting
                 backends, error = [], exc
             else:
@@ -252,7 +252,7 @@ def scale_out(stack: Stack, grpc_address: str) -> None:
     cli("backends", "--router", grpc_address)
 
     replicas = stack.addresses("cpu-worker")
-    cpu = [b for b in after if b.kind == common_pb2.WORKER_KIND_CPU]
+    cpu = [b for b in after.backends if b.kind == common_pb2.WORKER_KIND_CPU]
     served = {}
     for b in cpu:
         delta = b.routed_requests - routed_before.get(b.name, 0)
