@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs an NVIDIA GPU, in one run: the engine and worker tests on CUDA, the engine
 # benchmark on CUDA against transformers on the same GPU (and Tandem again with CUDA graphs), where a
-# decode step's time goes, eager and with CUDA graphs, and the live hybrid benchmark (hybrid.sh). Usage: bench/device/check.sh OUT_DIR [tests|benchmarks|all]
+# decode step's time goes, eager and with CUDA graphs, and the live hybrid benchmark (hybrid.sh).
+# Usage: bench/device/check.sh OUT_DIR [tests|benchmarks|all]
 #
 # `tests` needs no model download (the tests build tiny models); `benchmarks` provisions the default
 # model. TANDEM_WHEELS as for hybrid.sh; TANDEM_DEVICE_BUDGET_S bounds the hybrid part (200 s here).

@@ -135,19 +135,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             yield self._estimate(engine, request)
 
     async def EstimatePrompts(self, request: worker_pb2.EstimatePromptsRequest, context: grpc.aio.ServicerContext):
-        if len(request.prompts) > MAX_ESTIMATE_PROMPTS:
-            _record_estimate_prompts(grpc.StatusCode.INVALID_ARGUMENT)
-            await _abort_for(context, InvalidRequestError("prompts", f"at most {MAX_ESTIMATE_PROMPTS} prompts, got "
-                                                                     f"{len(request.prompts)}"))
-        engine = await self._require_state(context)
-        state = self._state_message(engine.state(), CachedPrefix(0, 0))
-        prompts = [list(prompt.ids) for prompt in request.prompts]
-        # Off the event loop: hashing many prompts' blocks would hold up the token streams it serves.
-        cached = await asyncio.to_thread(lambda: [engine.cached_prefix(ids) for ids in prompts])
-        _record_estimate_prompts(grpc.StatusCode.OK)
-        return worker_pb2.EstimatePromptsResponse(
-            state=state, prompts=[worker_pb2.CachedPrompt(cached_tokens=c.tokens, cached_tokens_evictable=c.evictable_tokens)
-                                  for c in cached])
+        try:
+            if len(request.prompts) > MAX_ESTIMATE_PROMPTS:
+                await _abort_for(context, InvalidRequestError(
+                    "prompts", f"at most {MAX_ESTIMATE_PROMPTS} prompts, got {len(request.prompts)}"))
+            engine = await self._require_state(context)
+            state = self._state_message(engine.state(), CachedPrefix(0, 0))
+            prompts = [list(prompt.ids) for prompt in request.prompts]
+            # Off the event loop: hashing many prompts' blocks would hold up the token streams it serves.
+            cached = await asyncio.to_thread(lambda: [engine.cached_prefix(ids) for ids in prompts])
+            return worker_pb2.EstimatePromptsResponse(state=state, prompts=[
+                worker_pb2.CachedPrompt(cached_tokens=c.tokens, cached_tokens_evictable=c.evictable_tokens)
+                for c in cached])
+        finally:
+            code = context.code()
+            _record_estimate_prompts(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK)
 
     def _estimate(self, engine: AsyncEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
         return self._state_message(engine.state(), engine.cached_prefix(list(request.prompt_token_ids)))

@@ -4,6 +4,7 @@ per round, however many requests wait."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -43,17 +44,31 @@ def _load(worker: WorkerProcess) -> tuple[int, int]:
     return state.num_running, state.num_waiting
 
 
-def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(tiny_llama, tmp_path):
-    workers = {name: WorkerProcess(tiny_llama, tmp_path / f"{name}.log", "--max-active", "1", launcher=HARNESS,
-                                   env={"HARNESS_STEP_DELAY_S": "0.05"}) for name in ("a", "b")}
+@contextlib.contextmanager
+def _two_workers_behind_a_router(model_dir, tmp_path, metrics: str):
+    """Workers a and b (one slot each, 50 ms steps) behind a router checking every 0.2 s: (router, workers).
+    ``metrics``: which serve /metrics, "router" or "workers"."""
+    router_args = ("--metrics-port", str(free_port())) if metrics == "router" else ()
+    workers = {name: WorkerProcess(model_dir, tmp_path / f"{name}.log", "--max-active", "1",
+                                   *(("--metrics-port", str(free_port())) if metrics == "workers" else ()),
+                                   launcher=HARNESS, env={"HARNESS_STEP_DELAY_S": "0.05"}) for name in ("a", "b")}
     router = None
     try:
         for worker in workers.values():
             worker.wait_for_health()
-        router = RouterProcess(tiny_llama, tmp_path / "router.log", [f"{n}=cpu@{w.address}" for n, w in workers.items()],
-                               "--replace-interval-s", "0.2", "--metrics-port", str(free_port()))
+        router = RouterProcess(model_dir, tmp_path / "router.log", [f"{n}=cpu@{w.address}" for n, w in workers.items()],
+                               "--replace-interval-s", "0.2", *router_args)
         router.wait_for_health(SERVING)
         router.wait_for_backends({"a", "b"})
+        yield router, workers
+    finally:
+        for process in (router, *workers.values()):
+            if process is not None:
+                process.close()
+
+
+def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(tiny_llama, tmp_path):
+    with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="router") as (router, workers):
         blocker_a = _occupy(workers["a"], "blocker-a", 200)
         blocker_b = _occupy(workers["b"], "blocker-b", 400)
         wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
@@ -84,10 +99,6 @@ def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(ti
         assert _load(workers["a"]) == (1, 0)  # only its blocker: the withdrawn request was cancelled there
         blocker_a.cancel()
         assert_no_leaks(router, workers)
-    finally:
-        for process in (router, *workers.values()):
-            if process is not None:
-                process.close()
 
 
 def _estimate_prompts_calls(worker: WorkerProcess) -> float:
@@ -95,17 +106,8 @@ def _estimate_prompts_calls(worker: WorkerProcess) -> float:
 
 
 def test_the_check_asks_each_worker_once_a_round_however_many_requests_wait(tiny_llama, tmp_path):
-    workers = {name: WorkerProcess(tiny_llama, tmp_path / f"{name}.log", "--max-active", "1", "--metrics-port",
-                                   str(free_port()), launcher=HARNESS, env={"HARNESS_STEP_DELAY_S": "0.05"})
-               for name in ("a", "b")}
-    router, streams = None, []
-    try:
-        for worker in workers.values():
-            worker.wait_for_health()
-        router = RouterProcess(tiny_llama, tmp_path / "router.log", [f"{n}=cpu@{w.address}" for n, w in workers.items()],
-                               "--replace-interval-s", "0.2")
-        router.wait_for_health(SERVING)
-        router.wait_for_backends({"a", "b"})
+    with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="workers") as (router, workers):
+        streams = []
         blockers = [_occupy(worker, f"blocker-{name}", 400) for name, worker in workers.items()]
         wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
         for index in range(6):
@@ -124,7 +126,3 @@ def test_the_check_asks_each_worker_once_a_round_however_many_requests_wait(tiny
         for call in (*streams, *blockers):
             call.cancel()
         assert_no_leaks(router, workers)
-    finally:
-        for process in (router, *workers.values()):
-            if process is not None:
-                process.close()

@@ -80,6 +80,9 @@ def test_estimate_prompts_answers_every_prompt_from_one_call(worker):
     with pytest.raises(grpc.RpcError) as info:
         worker.stub.EstimatePrompts(worker_pb2.EstimatePromptsRequest(prompts=[ids([1])] * 1025), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("prompts:")
+    counted = scrape_metrics(worker)
+    for code in ("OK", "INVALID_ARGUMENT"):
+        assert counted[("tandem_worker_rpcs_total", (("code", code), ("method", "EstimatePrompts")))] >= 1
     assert worker.health_status() == 1
 
 
