@@ -1,9 +1,11 @@
-"""Worker benchmark: how cheap a probe is, idle and while the worker decodes a full batch.
+"""Worker benchmark: how cheap a probe is, idle and while the worker decodes a full batch, and what the
+router pays instead when it looks prompts up in its own copy of the worker's prefix index.
 
 Starts a real cpu_worker on 127.0.0.1 with the default model and asks for an estimate of a 516-token
 prompt (496 of them cached) N times idle, then N times while 8 requests stream: each time as a unary
-Estimate call and as one message on an open EstimateStream call (as the router probes), and as one
-EstimatePrompts call for 64 such prompts (as the re-placement check asks, once a round). Writes
+Estimate call and as one message on an open EstimateStream call. Then it builds a router's prefix index
+of the worker from WatchState and times a re-placement round's lookups of 64 such prompts in it: hashing
+each prompt's blocks (once per request) and looking the hashes up (every round). Writes
 bench/results/worker.json with latency percentiles.
 """
 
@@ -17,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from router_svc.prefix_index import PrefixIndex, PromptBlocks
 from tandem.bench.results import percentile
 from tandem.launch import ServiceProcess
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -57,21 +60,30 @@ def time_stream_estimates(stub, prompt: list[int], count: int) -> list[float]:
     return samples
 
 
-def time_estimate_prompts(stub, prompt: list[int], count: int) -> list[float]:
-    request = worker_pb2.EstimatePromptsRequest(prompts=[worker_pb2.TokenIds(ids=prompt)] * ROUND_PROMPTS)
-    samples = []
+def time_index_round(stub, prompt: list[int], count: int) -> dict[str, dict[str, float]]:
+    call = stub.WatchState(worker_pb2.WatchStateRequest(prefix_cache_changes=True), timeout=60)
+    index = PrefixIndex()
+    while not index.synced:
+        state = next(call)
+        index.apply(state.prefix_cache_changes)
+    call.cancel()
+    first, later = [], []
     for _ in range(count):
+        prompts = [PromptBlocks(prompt) for _ in range(ROUND_PROMPTS)]
         start = time.perf_counter()
-        answer = stub.EstimatePrompts(request, timeout=5)
-        samples.append(time.perf_counter() - start)
-    assert [c.cached_tokens for c in answer.prompts] == [496] * ROUND_PROMPTS
-    return samples
+        answers = [index.cached(p, state.block_size) for p in prompts]
+        first.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        answers = [index.cached(p, state.block_size) for p in prompts]
+        later.append(time.perf_counter() - start)
+    assert [tokens for tokens, _ in answers] == [496] * ROUND_PROMPTS, answers[0]
+    return {"hash_and_look_up": percentiles(first), "look_up": percentiles(later)}
 
 
 def time_probes(stub, prompt: list[int], count: int) -> dict[str, dict[str, float]]:
     return {"estimate": percentiles(time_estimates(stub, prompt, count)),
             "estimate_stream": percentiles(time_stream_estimates(stub, prompt, count)),
-            f"estimate_prompts_{ROUND_PROMPTS}": percentiles(time_estimate_prompts(stub, prompt, max(1, count // 5)))}
+            f"router_index_round_{ROUND_PROMPTS}": time_index_round(stub, prompt, max(1, count // 5))}
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from opentelemetry.trace import SpanKind
 
 from router_svc import metrics
 from router_svc.policy import QueuedWork, WorkerView
+from router_svc.prefix_index import PrefixIndex, PromptBlocks
 from router_svc.probes import ProbeStream
 from router_svc.routing import Credit, Status, WorkerCallFailed, WorkerReport, build_view
 from tandem.security import ClientTLS, aio_channel
@@ -54,7 +55,8 @@ STATIC = "static"
 
 
 class Backend:
-    """One worker: a channel, a WatchState subscription with reconnection, and the router's accounting.
+    """One worker: a channel, a WatchState subscription with reconnection (its snapshots and its prefix
+    cache's hash index), and the router's accounting.
 
     ``source`` says how it joined: ``static`` (``--worker``) or the discovery that found it. A worker that
     left (``leaving``) gets no new requests and stays until its in-flight streams end.
@@ -72,6 +74,7 @@ class Backend:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.GetInfoResponse | None = None
         self.state: common_pb2.BackendState | None = None
+        self.prefix_index = PrefixIndex()
         self.connected = False
         self.status = "connecting"
         self.credits: dict[str, Credit] = {}
@@ -121,6 +124,13 @@ class Backend:
         if self.leaving and not self.credits:
             self._registry.drained(self)
 
+    def indexed_view(self, prompt: PromptBlocks) -> WorkerView:
+        """This worker's view for a policy: its latest snapshot, the prompt looked up in its prefix index
+        (which must be synced), plus credit."""
+        report = self.report(self.state)
+        cached, evictable = self.prefix_index.cached(prompt, report.block_size)
+        return build_view(report, cached, self.credits.values(), "index", evictable)
+
     def view(self, estimate: common_pb2.BackendState | None) -> WorkerView:
         """This worker's view for a policy: the fresh estimate (or the latest snapshot) plus credit."""
         report = self.report(estimate if estimate is not None else self.state)
@@ -154,18 +164,6 @@ class Backend:
             self._probes = ProbeStream(self.stub)
         return self._probes.ask(request)
 
-    async def estimate_prompts(self, prompts: list[list[int]], timeout: float) -> list[tuple[int, int]] | None:
-        """The worker's state now (kept as ``state``) and, for each prompt, (cached tokens, of those
-        evictable); None when the worker does not answer within ``timeout`` seconds."""
-        request = worker_pb2.EstimatePromptsRequest(prompts=[worker_pb2.TokenIds(ids=ids) for ids in prompts])
-        try:
-            answer = await self.stub.EstimatePrompts(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            logger.debug("EstimatePrompts on %s failed: %s", self.name, exc.code().name)
-            return None
-        self.update(answer.state)
-        return [(prompt.cached_tokens, prompt.cached_tokens_evictable) for prompt in answer.prompts]
-
     def close_probes(self) -> None:
         if self._probes is not None:
             self._probes.close()
@@ -187,9 +185,12 @@ class Backend:
                 self.info = await self.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
                 self._registry.register_fingerprint(self)
                 self.state = None  # a restarted worker counts its sequence numbers from the start again
-                async for state in self.stub.WatchState(worker_pb2.WatchStateRequest(interval_s=WATCH_INTERVAL_S)):
+                watch = worker_pb2.WatchStateRequest(interval_s=WATCH_INTERVAL_S, prefix_cache_changes=True)
+                async for state in self.stub.WatchState(watch):
                     if not self.connected:
                         logger.info("worker %s at %s connected (%s)", self.name, self.address.address, state.device)
+                    self.prefix_index.apply(state.prefix_cache_changes)
+                    state.ClearField("prefix_cache_changes")
                     self.update(state)
                     self.connected = True
                     backoff = BACKOFF_INITIAL_S
@@ -202,6 +203,7 @@ class Backend:
             if self.connected:
                 logger.warning("worker %s at %s lost (%s)", self.name, self.address.address, self.status)
             self.connected = False
+            self.prefix_index.forget()
             self.close_probes()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)

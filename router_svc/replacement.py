@@ -120,7 +120,7 @@ def plan_moves(round_candidates: Sequence[Waiting], reports: Mapping[str, Worker
     added: dict[str, list[Credit]] = defaultdict(list)  # the requests this round has moved to each worker
 
     def view(name: str, cached_tokens: int = 0, evictable: int = 0) -> WorkerView:
-        return build_view(reports[name], cached_tokens, [*credits.get(name, ()), *added[name]], "estimate", evictable)
+        return build_view(reports[name], cached_tokens, [*credits.get(name, ()), *added[name]], "index", evictable)
 
     moves = []
     for entry in round_candidates:

@@ -5,6 +5,7 @@ converts its requests in and its events out."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -16,6 +17,7 @@ from router_svc.admission import Admission
 from router_svc.backends import BackendRegistry, probe_all
 from router_svc.output_lengths import OutputLengths
 from router_svc.policy import RouteInput, WorkerView
+from router_svc.prefix_index import PromptBlocks
 from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, Waiting
 from router_svc.replacer import Replacer
 from router_svc.routing import Failover, RoutingError, Status, WorkerCallFailed, WorkerStatus, route
@@ -49,6 +51,10 @@ class RoutedRequest:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @functools.cached_property
+    def prompt_blocks(self) -> PromptBlocks:
+        return PromptBlocks(self.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ class Router:
                                           decision.chosen.score_s, placed_at, len(moves),
                                           frozenset(_excluded(failover, moves)))
                         first, move = await self.replacer.first_response_or_move(
-                            call, waiting, request.prompt_token_ids, lambda: self._route_input(request))
+                            call, waiting, request.prompt_blocks, lambda: self._route_input(request))
                     if move is None:
                         async for response in _chained(first, call):
                             if response.token_ids and not streamed:
@@ -172,11 +178,18 @@ class Router:
             route_span.end()
 
     async def _views(self, request: RoutedRequest, excluded: set[str]) -> list[WorkerView]:
-        """A fresh view of every healthy worker not in ``excluded``, probed for this prompt."""
+        """A view of every healthy worker not in ``excluded``: the prompt looked up in the worker's prefix
+        index, or, while that index is not synced, a probe of the worker for this prompt."""
         candidates = [b for b in self.registry.healthy() if b.name not in excluded]
-        estimates = await probe_all(candidates, request.prompt_token_ids, self.probe_deadline_s)
-        return [b.view(estimate) for b, estimate in zip(candidates, estimates)
-                if estimate is None or estimate.serving_state == common_pb2.SERVING_STATE_SERVING]
+        unsynced = [b for b in candidates if not b.prefix_index.synced]
+        estimates = dict(zip(unsynced, await probe_all(unsynced, request.prompt_token_ids, self.probe_deadline_s)))
+        views = []
+        for backend in candidates:
+            if backend not in estimates:
+                views.append(backend.indexed_view(request.prompt_blocks))
+            elif estimates[backend] is None or estimates[backend].serving_state == common_pb2.SERVING_STATE_SERVING:
+                views.append(backend.view(estimates[backend]))
+        return views
 
     def _route_input(self, request: RoutedRequest) -> RouteInput:
         lengths = self.output_lengths

@@ -99,7 +99,8 @@ def build_view(report: WorkerReport, cached_tokens: int, credits: Iterable[Credi
         report: the worker's latest report.
         cached_tokens: tokens of this prompt in the worker's prefix cache (0 when unknown).
         credits: requests the router dispatched to the worker and has not seen finish.
-        state_source: "estimate" for a report made for this prompt, "snapshot" for an older one.
+        state_source: "index" for the latest snapshot with the prompt looked up in the worker's prefix index,
+            "estimate" for a report made for this prompt, "snapshot" for the latest one alone.
         cached_evictable_tokens: of ``cached_tokens``, those in blocks no request holds.
     """
     visible = {work.request_id for work in report.requests}

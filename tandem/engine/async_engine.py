@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from tandem.engine.block_pool import CachedPrefix
+from tandem.engine.block_pool import CacheFeed, CachedPrefix
 from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES
 from tandem.engine.engine import EngineState, LLMEngine, RequestOutput
 from tandem.engine.request import Request
@@ -127,6 +127,20 @@ class AsyncEngine:
     def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
         with self._lock:
             return self.engine.cached_prefix(token_ids)
+
+    def follow_prefix_cache(self) -> CacheFeed:
+        """A feed of the prefix cache's hash index: its first take lists every cached hash."""
+        with self._lock:
+            return self.engine.scheduler.pool.subscribe()
+
+    def prefix_cache_changes(self, feed: CacheFeed) -> tuple[bool, dict[bytes, str]]:
+        """``BlockPool.take_changes``: (whether this is a whole listing, each hash's newest standing)."""
+        with self._lock:
+            return self.engine.scheduler.pool.take_changes(feed)
+
+    def unfollow_prefix_cache(self, feed: CacheFeed) -> None:
+        with self._lock:
+            self.engine.scheduler.pool.unsubscribe(feed)
 
     def reset_prefix_cache(self) -> None:
         with self._lock:

@@ -3,6 +3,9 @@
 A full block is identified by a chain hash: the hash of its parent block's hash and its own token ids,
 starting from a fixed seed. Equal prefixes therefore give equal hashes in every process. Blocks no
 request holds stay cached (still findable by hash) in an LRU free queue until they are reused.
+
+Subscribers (a router, through the worker's WatchState) follow the hash index through ``CacheFeed``s:
+each cached hash is ``HELD`` (some request holds its block), ``FREE`` (cached, evictable) or ``REMOVED``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     for index in range(len(hashes), min(limit, len(token_ids) // block_size)):
         parent = hash_block(parent, token_ids[index * block_size:(index + 1) * block_size])
         hashes.append(parent)
+
+
+HELD, FREE, REMOVED = "held", "free", "removed"
+
+
+class CacheFeed:
+    """One subscriber's pending changes to the hash index: the newest standing of each hash changed since
+    it last took them. A stale feed (new, or fallen too far behind) gets the whole index next instead."""
+
+    __slots__ = ("changes", "stale")
+
+    def __init__(self):
+        self.changes: dict[bytes, str] = {}
+        self.stale = True
 
 
 @dataclass(frozen=True)
@@ -77,6 +94,8 @@ class BlockPool:
         self._num_cached_free = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self._feeds: list[CacheFeed] = []
+        self._feed_limit = 2 * num_blocks + 1024
 
     @property
     def num_blocks(self) -> int:
@@ -118,6 +137,31 @@ class BlockPool:
         return CachedPrefix(len(hits) * self.block_size,
                             sum(1 for block in hits if block.ref_count == 0) * self.block_size)
 
+    def subscribe(self) -> CacheFeed:
+        feed = CacheFeed()
+        self._feeds.append(feed)
+        return feed
+
+    def unsubscribe(self, feed: CacheFeed) -> None:
+        self._feeds.remove(feed)
+
+    def take_changes(self, feed: CacheFeed) -> tuple[bool, dict[bytes, str]]:
+        """(True, every cached hash's standing) for a stale feed, else (False, the changes since the last take)."""
+        if feed.stale:
+            feed.stale = False
+            feed.changes = {}
+            return True, {h: HELD if block.ref_count else FREE for h, block in self._by_hash.items()}
+        changes, feed.changes = feed.changes, {}
+        return False, changes
+
+    def _publish(self, block_hash: bytes, standing: str) -> None:
+        for feed in self._feeds:
+            if not feed.stale:
+                feed.changes[block_hash] = standing
+                if len(feed.changes) > self._feed_limit:  # a subscriber that stopped reading
+                    feed.stale = True
+                    feed.changes = {}
+
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
         self.num_hit_tokens += num_hit_tokens
@@ -133,6 +177,8 @@ class BlockPool:
                 del self._free[block.block_id]
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
+                    if self._feeds:
+                        self._publish(block.block_hash, HELD)
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -167,6 +213,8 @@ class BlockPool:
                     self._free.move_to_end(block_id, last=False)
                 else:
                     self._num_cached_free += 1
+                    if self._feeds:
+                        self._publish(block.block_hash, FREE)
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Publish a full, computed block under its chain hash. A hash already published keeps its block."""
@@ -176,6 +224,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block
+        if self._feeds:
+            self._publish(block_hash, HELD if block.ref_count else FREE)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block. Only valid while no request holds blocks."""
@@ -194,3 +244,5 @@ class BlockPool:
         block.token_ids = None
         if self._on_evict is not None:
             self._on_evict(block_hash)
+        if self._feeds:
+            self._publish(block_hash, REMOVED)

@@ -28,6 +28,7 @@ STEP_BATCH_SIZE = Histogram("tandem_worker_step_batch_size", "Requests computed 
 FINISHED = Counter("tandem_worker_requests_finished_total", "Finished requests by finish reason", ["finish_reason"])
 PREEMPTIONS = Counter("tandem_worker_preemptions_total", "Times a request was preempted and recomputed")
 RPCS = Counter("tandem_worker_rpcs_total", "RPCs by method and final gRPC status code (errors included)", ["method", "code"])
+ESTIMATES = Counter("tandem_worker_estimates_total", "Estimate probes answered (Estimate calls and EstimateStream messages)")
 
 
 def record_finished(output: RequestOutput) -> None:

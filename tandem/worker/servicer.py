@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.engine.async_engine import AsyncEngine
-from tandem.engine.block_pool import CachedPrefix
+from tandem.engine.block_pool import FREE, HELD, REMOVED, CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
@@ -25,15 +25,14 @@ from tandem.worker import metrics
 logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.worker")
 _record_generate_status = metrics.rpc_status_recorder("Generate")
-_record_estimate_prompts = metrics.rpc_status_recorder("EstimatePrompts")
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MIN_WATCH_INTERVAL_S = 0.01
 MAX_WATCH_INTERVAL_S = 60.0
-MAX_ESTIMATE_PROMPTS = 1024
 WATCH_COALESCE_S = 0.01
+MAX_HASHES_PER_MESSAGE = 65536  # about 1.2 MB of hashes, well inside a receiver's default 4 MiB message limit
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -134,24 +133,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async for request in requests:
             yield self._estimate(engine, request)
 
-    async def EstimatePrompts(self, request: worker_pb2.EstimatePromptsRequest, context: grpc.aio.ServicerContext):
-        try:
-            if len(request.prompts) > MAX_ESTIMATE_PROMPTS:
-                await _abort_for(context, InvalidRequestError(
-                    "prompts", f"at most {MAX_ESTIMATE_PROMPTS} prompts, got {len(request.prompts)}"))
-            engine = await self._require_state(context)
-            state = self._state_message(engine.state(), CachedPrefix(0, 0))
-            prompts = [list(prompt.ids) for prompt in request.prompts]
-            # Off the event loop: hashing many prompts' blocks would hold up the token streams it serves.
-            cached = await asyncio.to_thread(lambda: [engine.cached_prefix(ids) for ids in prompts])
-            return worker_pb2.EstimatePromptsResponse(state=state, prompts=[
-                worker_pb2.CachedPrompt(cached_tokens=c.tokens, cached_tokens_evictable=c.evictable_tokens)
-                for c in cached])
-        finally:
-            code = context.code()
-            _record_estimate_prompts(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.OK)
-
     def _estimate(self, engine: AsyncEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
+        metrics.ESTIMATES.inc()
         return self._state_message(engine.state(), engine.cached_prefix(list(request.prompt_token_ids)))
 
     async def WatchState(self, request: worker_pb2.WatchStateRequest, context: grpc.aio.ServicerContext):
@@ -160,11 +143,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await _abort_for(context, InvalidRequestError(
                 "interval_s", f"must be 0 or within [{MIN_WATCH_INTERVAL_S}, {MAX_WATCH_INTERVAL_S}], got {interval!r}"))
         engine = await self._require_state(context)
-        while True:
-            state = engine.state()
-            yield self._state_message(state, CachedPrefix(0, 0))
-            await engine.wait_for_change(state.seq, interval)
-            await asyncio.sleep(WATCH_COALESCE_S)
+        feed = engine.follow_prefix_cache() if request.prefix_cache_changes else None
+        try:
+            while True:
+                state = engine.state()
+                if feed is None:
+                    yield self._state_message(state, CachedPrefix(0, 0))
+                else:
+                    for changes in _prefix_cache_messages(*engine.prefix_cache_changes(feed)):
+                        yield self._state_message(state, CachedPrefix(0, 0), changes)
+                await engine.wait_for_change(state.seq, interval)
+                await asyncio.sleep(WATCH_COALESCE_S)
+        finally:
+            if feed is not None:
+                engine.unfollow_prefix_cache(feed)
 
     async def GetInfo(self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
         engine = await self._require_state(context)
@@ -223,7 +215,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop_strings=tuple(message.stop),
         )
 
-    def _state_message(self, state: EngineState, cached: CachedPrefix) -> common_pb2.BackendState:
+    def _state_message(self, state: EngineState, cached: CachedPrefix,
+                       prefix_cache_changes: common_pb2.PrefixCacheChanges | None = None) -> common_pb2.BackendState:
         load = state.load
         serving_state = self.serving_state if state.healthy else common_pb2.SERVING_STATE_FAILED
         return common_pb2.BackendState(
@@ -251,6 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kind=WORKER_KINDS[self.kind],
             serving_state=serving_state,
             timestamp_s=time.time(),
+            prefix_cache_changes=prefix_cache_changes,
             requests=[
                 common_pb2.RequestLoad(
                     request_id=r.req_id, running=r.running, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_budget,
@@ -313,6 +307,20 @@ def _record_engine_phases(span, request: Request, output: RequestOutput) -> None
                         attributes={"gen_ai.usage.output_tokens": stats.num_output_tokens})
     decode.add_event("first_token", timestamp=wall_time_ns(first_token))
     decode.end(end_time=wall_time_ns(end))
+
+
+def _prefix_cache_messages(reset: bool, changes: dict[bytes, str],
+                           limit: int = MAX_HASHES_PER_MESSAGE) -> list[common_pb2.PrefixCacheChanges]:
+    """The changes as one message, or as several of at most ``limit`` hashes, each but the last ``continued``."""
+    items = list(changes.items())
+    messages = []
+    for start in range(0, max(1, len(items)), limit):
+        lists = {HELD: [], FREE: [], REMOVED: []}
+        for block_hash, standing in items[start:start + limit]:
+            lists[standing].append(block_hash)
+        messages.append(common_pb2.PrefixCacheChanges(reset=reset and start == 0, continued=start + limit < len(items),
+                                                      held=lists[HELD], free=lists[FREE], removed=lists[REMOVED]))
+    return messages
 
 
 def _rates_message(rates: Rates | None) -> common_pb2.Rates | None:

@@ -146,7 +146,7 @@ def test_worker_generate_and_estimate_survive_fuzzed_requests(services):
     check()
 
 
-def test_worker_estimate_stream_and_prompts_survive_fuzzed_and_malformed_messages(services):
+def test_worker_estimate_stream_survives_fuzzed_and_malformed_messages(services):
     _, worker, _ = services
 
     @FUZZ
@@ -156,9 +156,6 @@ def test_worker_estimate_stream_and_prompts_survive_fuzzed_and_malformed_message
         answers = list(worker.stub.EstimateStream(iter(requests), timeout=10))
         assert len(answers) == len(prompts)
         assert all(answer.cached_tokens <= max(0, len(prompt) - 1) for answer, prompt in zip(answers, prompts))
-        batch = worker.stub.EstimatePrompts(worker_pb2.EstimatePromptsRequest(
-            prompts=[worker_pb2.TokenIds(ids=prompt) for prompt in prompts]), timeout=10)
-        assert [c.cached_tokens for c in batch.prompts] == [answer.cached_tokens for answer in answers]
 
     check()
     raw_call = worker.channel.stream_stream("/tandem.v1.Worker/EstimateStream")

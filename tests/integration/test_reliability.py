@@ -59,10 +59,12 @@ def test_overload_is_refused_quickly_by_the_bounded_admission_queue(tiny_llama, 
 
 
 @contextlib.contextmanager
-def cluster(model, tmp_path, names=("a", "b"), step_delay_s: float = 0.02, router_args=()):
-    """Workers (slowed a little, so requests overlap) behind one router; yields (router, workers)."""
+def cluster(model, tmp_path, names=("a", "b"), step_delay_s: float = 0.02, router_args=(), worker_env=None):
+    """Workers (slowed a little, so requests overlap; ``worker_env`` for more of the harness's settings)
+    behind one router; yields (router, workers)."""
     workers = {name: WorkerProcess(model, tmp_path / f"{name}.log", launcher=HARNESS,
-                                   env={"HARNESS_STEP_DELAY_S": str(step_delay_s)}) for name in names}
+                                   env={"HARNESS_STEP_DELAY_S": str(step_delay_s), **(worker_env or {})})
+               for name in names}
     router = None
     try:
         for worker in workers.values():
@@ -201,10 +203,14 @@ def test_router_restart_while_workers_keep_running(tiny_llama, tmp_path):
             restarted.close()
 
 
-def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path):
-    """SIGSTOP one worker: probes time out, decisions come from its snapshot plus in-flight credit, and the
-    other worker keeps serving; after SIGCONT everything completes."""
-    with cluster(tiny_llama, tmp_path, step_delay_s=0.0) as (router, workers):
+@pytest.mark.parametrize("prefix_index", [True, False], ids=["indexed", "probed"])
+def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path, prefix_index):
+    """SIGSTOP one worker: no decision waits long for it, and the other worker keeps serving; after SIGCONT
+    everything completes. Decisions read each worker's latest snapshot and prefix index, plus in-flight
+    credit; workers that send no index (builds from before it) are probed instead, and the stopped one's
+    probes time out into its latest snapshot."""
+    env = {} if prefix_index else {"HARNESS_WATCH_STATE_WITHOUT_PREFIX_CACHE": "1"}
+    with cluster(tiny_llama, tmp_path, step_delay_s=0.0, worker_env=env) as (router, workers):
         os.kill(workers["a"].process.pid, signal.SIGSTOP)
         try:
             def timed(index):
@@ -219,7 +225,7 @@ def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path):
             with ThreadPoolExecutor(6) as pool:
                 results = list(pool.map(timed, range(6)))
             sources = {s.worker: s.state_source for decision, _, _ in results for s in decision.scores}
-            assert sources["a"] == "snapshot"
+            assert sources == ({"a": "index", "b": "index"} if prefix_index else {"a": "snapshot", "b": "estimate"})
             assert all(decided < 2.0 for _, decided, _ in results)
             on_b = [responses for decision, _, responses in results if decision.chosen_worker == "b"]
             assert len(on_b) >= 2 and all(responses[-1].result.usage.output_tokens == 4 for responses in on_b)

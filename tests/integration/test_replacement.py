@@ -39,8 +39,10 @@ def _drained(call):
 
 
 def _load(worker: WorkerProcess) -> tuple[int, int]:
-    """(running, waiting) requests on the worker."""
-    state = worker.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=[5]), timeout=5)
+    """(running, waiting) requests on the worker, from its state snapshot (asking no Estimate)."""
+    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
+    state = next(call)
+    call.cancel()
     return state.num_running, state.num_waiting
 
 
@@ -101,27 +103,27 @@ def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(ti
         assert_no_leaks(router, workers)
 
 
-def _estimate_prompts_calls(worker: WorkerProcess) -> float:
-    return scrape_metrics(worker).get(("tandem_worker_rpcs_total", (("code", "OK"), ("method", "EstimatePrompts"))), 0.0)
+def _estimates(worker: WorkerProcess) -> float:
+    return scrape_metrics(worker)[("tandem_worker_estimates_total", ())]
 
 
-def test_the_check_asks_each_worker_once_a_round_however_many_requests_wait(tiny_llama, tmp_path):
+def test_neither_routing_nor_the_check_asks_the_workers_however_many_requests_wait(tiny_llama, tmp_path):
+    """Both read the workers' prefix indexes and snapshots from WatchState; no Estimate reaches a worker."""
     with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="workers") as (router, workers):
         streams = []
         blockers = [_occupy(worker, f"blocker-{name}", 400) for name, worker in workers.items()]
         wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
+        before = {name: _estimates(worker) for name, worker in workers.items()}
         for index in range(6):
             stream = router.stub.Generate(router_pb2.RouteRequest(
                 request_id=f"waiting-{index}", prompt_token_ids=worker_pb2.TokenIds(ids=list(range(40 + index, 70))),
                 max_new_tokens=4, ignore_eos=True, sampling=GREEDY), timeout=120)
+            assert {s.state_source for s in next(stream).decision.scores} == {"index"}
             threading.Thread(target=lambda call=stream: [None for _ in _drained(call)], daemon=True).start()
             streams.append(stream)
         wait_until(lambda: sum(_load(worker)[1] for worker in workers.values()) == 6, 30)
-
-        before = {name: _estimate_prompts_calls(worker) for name, worker in workers.items()}
         time.sleep(2.0)  # about 10 rounds of 0.2 s
-        calls = {name: _estimate_prompts_calls(worker) - before[name] for name, worker in workers.items()}
-        assert all(3 <= n <= 12 for n in calls.values()), calls  # a call per waiting request would be 6 times more
+        assert {name: _estimates(worker) - before[name] for name, worker in workers.items()} == {"a": 0, "b": 0}
         assert sum(_load(worker)[1] for worker in workers.values()) == 6  # still waiting, none lost
         for call in (*streams, *blockers):
             call.cancel()

@@ -51,7 +51,7 @@ def test_generate_sends_the_decision_then_the_tokens(stack, tiny_llama):
     decision = responses[0].decision
     assert decision.policy == "finish_time" and decision.chosen_worker in ("cpu", "gpu")
     assert {s.worker for s in decision.scores} == {"cpu", "gpu"}
-    assert all(s.eligible and s.score_s > 0 and s.state_source == "estimate" for s in decision.scores)
+    assert all(s.eligible and s.score_s > 0 and s.state_source == "index" for s in decision.scores)
     assert decision.scores[0].score_s <= decision.scores[1].score_s
     assert decision.scores[0].worker == decision.chosen_worker
     assert tokens_of(responses[1:]) == hf_greedy(tiny_llama, prompt, 10)
@@ -80,6 +80,32 @@ def test_explain_agrees_with_generate(stack):
         assert (a.cached_tokens, a.pending_prefill_tokens, a.pending_decode_tokens) == \
                (b.cached_tokens, b.pending_prefill_tokens, b.pending_decode_tokens)
         assert a.score_s == pytest.approx(b.score_s, rel=0.25)
+
+
+def wait_until_cached_for_the_router(router: RouterProcess, prompt: list[int], worker: str, tokens: int) -> None:
+    """The router learns of a worker's new cache blocks from its next WatchState snapshot, a few ms on."""
+    def cached() -> int:
+        decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(prompt)), timeout=10).decision
+        return next(s.cached_tokens for s in decision.scores if s.worker == worker)
+
+    wait_until(lambda: cached() == tokens, 10)
+
+
+def test_decisions_read_each_workers_cached_prefix_from_its_index_as_the_worker_counts_it(stack):
+    router, workers = stack
+    prompt = list(range(330, 380))  # 50 tokens: a hit covers at most 3 blocks of 16
+    for name, tokens in (("cpu", prompt[:40]), ("gpu", prompt)):
+        list(workers[name].stub.Generate(worker_pb2.GenerateRequest(
+            prompt_token_ids=worker_pb2.TokenIds(ids=tokens), max_new_tokens=1, ignore_eos=True), timeout=60))
+    asked = {name: worker.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=prompt), timeout=5)
+             for name, worker in workers.items()}
+    assert {name: state.cached_tokens for name, state in asked.items()} == {"cpu": 32, "gpu": 48}
+
+    def cached_in_decision():
+        decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(prompt)), timeout=10).decision
+        return {s.worker: (s.cached_tokens, s.state_source) for s in decision.scores}
+
+    wait_until(lambda: cached_in_decision() == {"cpu": (32, "index"), "gpu": (48, "index")}, 10)
 
 
 def test_saturated_gpu_worker_makes_the_router_offload(stack):
@@ -223,9 +249,10 @@ def test_failover_mid_stream_failure_and_restart(tiny_llama, tmp_path):
             prefix = list(range(100, 164))
             list(slow.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + [1]),
                                                                max_new_tokens=1), timeout=60))
+            prompt = prefix + [2, 3]
+            wait_until_cached_for_the_router(router, prompt, "slow", 64)
 
             # cache_aware picks the worker holding the prefix: the slow one. Kill it during its prefill.
-            prompt = prefix + [2, 3]
             call = router.stub.Generate(route(prompt, 6, policy="cache_aware"), timeout=60)
             first = next(call).decision
             assert first.chosen_worker == "slow"
@@ -246,6 +273,7 @@ def test_failover_mid_stream_failure_and_restart(tiny_llama, tmp_path):
             prompt = prefix + [2, 3]
             list(slow.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=prefix + [1]),
                                                                max_new_tokens=1), timeout=60))
+            wait_until_cached_for_the_router(router, prompt, "slow", 64)
             call = router.stub.Generate(route(prompt, 50, policy="cache_aware"), timeout=60)
             assert next(call).decision.chosen_worker == "slow"
             received = list(next(call).token_ids)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from tandem.engine.block_pool import extend_block_hashes
 from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tests.integration.workers import WorkerProcess, running_worker, scrape_metrics, wait_until
@@ -70,20 +71,33 @@ def test_estimate_stream_answers_every_probe_in_order(worker):
     assert all(answer.serving_state == common_pb2.SERVING_STATE_SERVING for answer in answers)
 
 
-def test_estimate_prompts_answers_every_prompt_from_one_call(worker):
-    prefix = list(range(340, 388))  # three full blocks of 16
-    generate(worker.stub, prompt_token_ids=ids(prefix + [5]), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
-    prompts = [prefix + [7], [1, 2, 3], prefix[:32] + [9]]
-    answer = worker.stub.EstimatePrompts(worker_pb2.EstimatePromptsRequest(prompts=[ids(p) for p in prompts]), timeout=5)
-    assert [(c.cached_tokens, c.cached_tokens_evictable) for c in answer.prompts] == [(48, 48), (0, 0), (32, 32)]
-    assert answer.state.serving_state == common_pb2.SERVING_STATE_SERVING and answer.state.cached_tokens == 0
-    with pytest.raises(grpc.RpcError) as info:
-        worker.stub.EstimatePrompts(worker_pb2.EstimatePromptsRequest(prompts=[ids([1])] * 1025), timeout=5)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("prompts:")
-    counted = scrape_metrics(worker)
-    for code in ("OK", "INVALID_ARGUMENT"):
-        assert counted[("tandem_worker_rpcs_total", (("code", code), ("method", "EstimatePrompts")))] >= 1
-    assert worker.health_status() == 1
+def test_watch_state_sends_the_prefix_cache_index_whole_then_what_changes(worker):
+    prefix = list(range(340, 388)) + [5]  # three full blocks of 16
+    generate(worker.stub, prompt_token_ids=ids(prefix), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
+    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(interval_s=0.05, prefix_cache_changes=True), timeout=30)
+    listing = next(call).prefix_cache_changes
+    assert listing.reset and not listing.continued
+    assert set(block_hashes(prefix, 3)) <= set(listing.free) and not set(block_hashes(prefix, 3)) & set(listing.held)
+
+    other = list(range(150, 182)) + [1]  # two full blocks
+    generate(worker.stub, prompt_token_ids=ids(other), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
+    standing = {}
+    for state in call:
+        changes = state.prefix_cache_changes
+        assert not changes.reset
+        standing.update({h: "held" for h in changes.held} | {h: "free" for h in changes.free})
+        if [standing.get(h) for h in block_hashes(other, 2)] == ["free", "free"]:
+            break
+    call.cancel()
+    assert worker.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=other), timeout=5).cached_tokens == 32
+    plain = next(iter(worker.stub.WatchState(worker_pb2.WatchStateRequest(interval_s=0.05), timeout=5)))
+    assert not plain.HasField("prefix_cache_changes")
+
+
+def block_hashes(tokens: list[int], count: int) -> list[bytes]:
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, tokens, 16, count)
+    return hashes
 
 
 def test_cancel_mid_stream_frees_everything(worker):

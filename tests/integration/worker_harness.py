@@ -6,6 +6,8 @@ ModelRunner.execute and then runs the real worker entry point.
 Environment:
     HARNESS_STEP_DELAY_S: seconds to sleep before every model step.
     HARNESS_FAIL_AFTER_STEPS: raise RuntimeError("injected fault") on every step after this many.
+    HARNESS_WATCH_STATE_WITHOUT_PREFIX_CACHE: WatchState ignores prefix_cache_changes, as a worker built
+        before that field did.
 """
 
 import os
@@ -29,6 +31,17 @@ def install() -> None:
         return execute(self, output)
 
     ModelRunner.execute = wrapped
+    if os.environ.get("HARNESS_WATCH_STATE_WITHOUT_PREFIX_CACHE"):
+        from tandem.worker.servicer import WorkerServicer
+
+        watch_state = WorkerServicer.WatchState
+
+        async def without_prefix_cache(self, request, context):
+            request.prefix_cache_changes = False
+            async for state in watch_state(self, request, context):
+                yield state
+
+        WorkerServicer.WatchState = without_prefix_cache
 
 
 if __name__ == "__main__":

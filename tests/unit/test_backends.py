@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from router_svc.backends import Backend, BackendRegistry, WorkerAddress
+from router_svc.prefix_index import PromptBlocks
 from tandem.v1 import common_pb2, worker_pb2
 
 
@@ -50,6 +51,20 @@ async def test_dispatched_requests_count_until_the_worker_reports_them():
     backend.release("c")
     assert backend.view(fresh).inflight_requests == 0
     assert backend.routed_requests == 2
+
+
+async def test_an_indexed_view_looks_the_prompt_up_in_the_workers_prefix_index_and_adds_credit():
+    backend = make_backend()
+    backend.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
+    backend.state.block_size = 4
+    prompt = PromptBlocks(list(range(13)))  # three full blocks may hit
+    first, second, _ = prompt.hashes(4)
+    backend.prefix_index.apply(common_pb2.PrefixCacheChanges(reset=True, held=[first], free=[second]))
+    backend.dispatch("b", prefill_tokens=5, decode_tokens=8)
+
+    view = backend.indexed_view(prompt)
+    assert (view.cached_tokens, view.cached_evictable_tokens, view.state_source) == (8, 4, "index")
+    assert (view.pending_prefill_tokens, view.pending_decode_tokens, view.inflight_requests) == (5, 108, 1)
 
 
 async def test_health_needs_connection_serving_state_and_the_reference_model():
