@@ -152,8 +152,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 else:
                     for changes in _prefix_cache_messages(*engine.prefix_cache_changes(feed)):
                         yield self._state_message(state, CachedPrefix(0, 0), changes)
+                sent_at = time.monotonic()
                 await engine.wait_for_change(state.seq, interval)
-                await asyncio.sleep(WATCH_COALESCE_S)
+                # A change after a quiet spell goes out at once; in a busy one, at most one snapshot per period.
+                await asyncio.sleep(max(0.0, WATCH_COALESCE_S - (time.monotonic() - sent_at)))
         finally:
             if feed is not None:
                 engine.unfollow_prefix_cache(feed)

@@ -46,6 +46,12 @@ def _load(worker: WorkerProcess) -> tuple[int, int]:
     return state.num_running, state.num_waiting
 
 
+def _seen_by_router(router: RouterProcess) -> dict[str, tuple[int, int]]:
+    """(running, waiting) requests on each worker as the router's latest snapshots show them."""
+    backends = router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends
+    return {b.name: (b.state.num_running, b.state.num_waiting) for b in backends}
+
+
 @contextlib.contextmanager
 def _two_workers_behind_a_router(model_dir, tmp_path, metrics: str):
     """Workers a and b (one slot each, 50 ms steps) behind a router checking every 0.2 s: (router, workers).
@@ -73,7 +79,7 @@ def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(ti
     with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="router") as (router, workers):
         blocker_a = _occupy(workers["a"], "blocker-a", 200)
         blocker_b = _occupy(workers["b"], "blocker-b", 400)
-        wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
+        wait_until(lambda: _seen_by_router(router) == {"a": (1, 0), "b": (1, 0)}, 30)
 
         prompt = list(range(40, 70))
         stream = router.stub.Generate(router_pb2.RouteRequest(
@@ -112,7 +118,7 @@ def test_neither_routing_nor_the_check_asks_the_workers_however_many_requests_wa
     with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="workers") as (router, workers):
         streams = []
         blockers = [_occupy(worker, f"blocker-{name}", 400) for name, worker in workers.items()]
-        wait_until(lambda: _load(workers["a"]) == _load(workers["b"]) == (1, 0), 30)
+        wait_until(lambda: _seen_by_router(router) == {"a": (1, 0), "b": (1, 0)}, 30)
         before = {name: _estimates(worker) for name, worker in workers.items()}
         for index in range(6):
             stream = router.stub.Generate(router_pb2.RouteRequest(

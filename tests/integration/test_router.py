@@ -121,10 +121,13 @@ def test_saturated_gpu_worker_makes_the_router_offload(stack):
         # default wait on a busy 2-core machine.
         wait_until(lambda: (s := gpu.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)).num_running
                    + s.num_waiting == len(load), timeout=60)
-        decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(list(range(70, 90)), 32)), timeout=10).decision
-        scores = {s.worker: s for s in decision.scores}
-        assert scores["gpu"].pending_decode_tokens > 20000 and scores["gpu"].num_running == 8
-        assert decision.chosen_worker == "cpu"
+        def explained():  # once the router's snapshot of the gpu worker shows the load
+            decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(list(range(70, 90)), 32)),
+                                           timeout=10).decision
+            gpu_score = next(s for s in decision.scores if s.worker == "gpu")
+            return decision if gpu_score.pending_decode_tokens > 20000 and gpu_score.num_running == 8 else None
+
+        assert wait_until(explained, 10).chosen_worker == "cpu"
         responses = list(router.stub.Generate(route(list(range(70, 90)), 4), timeout=60))
         assert responses[0].decision.chosen_worker == "cpu" and responses[-1].worker == "cpu"
     finally:
