@@ -208,14 +208,17 @@ def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path, prefix_in
     """SIGSTOP one worker: no decision waits long for it, and the other worker keeps serving; after SIGCONT
     everything completes. Decisions read each worker's latest snapshot and prefix index, plus in-flight
     credit; workers that send no index (builds from before it) are probed instead, and the stopped one's
-    probes time out into its latest snapshot."""
+    probes time out into its latest snapshot. Policy least_loaded spreads the requests by count (in-flight
+    credit included), whatever rates the two workers measured."""
     env = {} if prefix_index else {"HARNESS_WATCH_STATE_WITHOUT_PREFIX_CACHE": "1"}
+    request = _request(4)
+    request.policy = "least_loaded"
     with cluster(tiny_llama, tmp_path, step_delay_s=0.0, worker_env=env) as (router, workers):
         os.kill(workers["a"].process.pid, signal.SIGSTOP)
         try:
             def timed(index):
                 start = time.monotonic()
-                call = router.stub.Generate(_request(4), timeout=60)
+                call = router.stub.Generate(request, timeout=60)
                 decision = next(call).decision
                 decided = time.monotonic() - start
                 if decision.chosen_worker == "b":
