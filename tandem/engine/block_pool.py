@@ -177,8 +177,7 @@ class BlockPool:
                 del self._free[block.block_id]
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
-                    if self._feeds:
-                        self._publish(block.block_hash, HELD)
+                    self._publish(block.block_hash, HELD)
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -213,8 +212,7 @@ class BlockPool:
                     self._free.move_to_end(block_id, last=False)
                 else:
                     self._num_cached_free += 1
-                    if self._feeds:
-                        self._publish(block.block_hash, FREE)
+                    self._publish(block.block_hash, FREE)
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Publish a full, computed block under its chain hash. A hash already published keeps its block."""
@@ -224,8 +222,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block
-        if self._feeds:
-            self._publish(block_hash, HELD if block.ref_count else FREE)
+        self._publish(block_hash, HELD if block.ref_count else FREE)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block. Only valid while no request holds blocks."""
@@ -244,5 +241,4 @@ class BlockPool:
         block.token_ids = None
         if self._on_evict is not None:
             self._on_evict(block_hash)
-        if self._feeds:
-            self._publish(block_hash, REMOVED)
+        self._publish(block_hash, REMOVED)
