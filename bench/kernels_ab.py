@@ -66,7 +66,7 @@ def main() -> None:
                   "current": build(Path(SOURCE).read_text(), isa, Path(scratch), "current")}
         weights = [torch.randn(out, width) * 0.02 for _ in range(LAYERS) for out, width in LAYER]
         weights.append(torch.randn(*HEAD) * 0.02)
-        packed = {name: [(kernels.pack_f16(w), w.shape[0]) for w in weights] for name, kernels in builds.items()}
+        packed = {name: [kernels.pack(w, torch.float16) for w in weights] for name, kernels in builds.items()}
         slots = 2048
         caches = [(torch.randn(slots, KV_HEADS, HEAD_DIM), torch.randn(slots, KV_HEADS, HEAD_DIM))
                   for _ in range(LAYERS)]
@@ -74,8 +74,8 @@ def main() -> None:
         def linears(name: str, rows: int) -> float:
             inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
             start = time.perf_counter()
-            for (weight, out), original in zip(packed[name], weights):
-                builds[name].linear_f16(inputs[original.shape[1]], weight, out, None)
+            for weight in packed[name]:
+                builds[name].linear(inputs[weight.in_features], weight, None)
             return time.perf_counter() - start
 
         def attention(name: str, tables: BlockTables, queries: torch.Tensor) -> float:

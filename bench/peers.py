@@ -88,6 +88,7 @@ TANDEM_PRECISIONS = {
     "float32": {"dtype": "float32", "decode_weights": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
     "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16"},
+    "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8"},
 }
 
 

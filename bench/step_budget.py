@@ -22,7 +22,7 @@ from tandem.engine.model.factory import build_engine
 from tandem.engine.request import Request, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TIMED = ("linear_f16", "decode_attention")
+TIMED = ("linear", "decode_attention")
 
 
 def read_bandwidth_gb_s(repeats: int = 5) -> float:
@@ -87,15 +87,15 @@ def main() -> None:
 
         setattr(CpuKernels, name, timed)
 
-    f16_bytes = sum(module.f16_weight.numel() * 2 for module in runner.model.modules()
-                    if getattr(module, "f16_weight", None) is not None)
+    f16_bytes = sum(module.decode_weight.nbytes for module in runner.model.modules()
+                    if getattr(module, "decode_weight", None) is not None)
     bandwidth = read_bandwidth_gb_s()
     report = {"threads": args.threads, "decode_weight_bytes": f16_bytes, "read_bandwidth_gb_s": bandwidth,
               "weight_read_floor_ms": f16_bytes / bandwidth / 1e6,
               "batches": {batch: timed_steps(engine, batch, args.steps, spent) for batch in (1, 8)}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "step-budget.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"float16 decode weights {f16_bytes / 1e6:.0f} MB at {bandwidth:.1f} GB/s: "
+    print(f"decode weights {f16_bytes / 1e6:.0f} MB at {bandwidth:.1f} GB/s: "
           f"{report['weight_read_floor_ms']:.1f} ms per step at least")
     for batch, entry in report["batches"].items():
         print(f"batch {batch}: " + ", ".join(f"{key} {value:.1f}" for key, value in entry.items()))

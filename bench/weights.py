@@ -1,8 +1,8 @@
 """What each weight format costs a CPU decode step: every linear layer of the default model's shape
 (30 layers and the output head, each with its own weights, so nothing stays in cache), multiplied by
 1 to 32 rows, as oneDNN's packed fp32, float16 through Tandem's kernel (tandem/engine/model/cpu_kernels.c;
-the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), bf16 through
-F.linear, and int8 through torch's int8 kernel.
+the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), int8 with a
+scale per row through the same kernel, bf16 through F.linear, and int8 through torch's int8 kernel.
 
 It sets `FEW_ROWS` (tandem/engine/model/llama.py): the most rows at which the float16 kernel beats
 packed fp32. Writes bench/results/weights.json.
@@ -48,8 +48,9 @@ def main() -> None:
     narrower = [cpu_kernels.load(isa) for isa in cpu_kernels.usable_isas()[1:]]  # beside the widest
     shapes = LAYER * args.layers + [HEAD]
     weights = [torch.randn(shape) * 0.02 for shape in shapes]
-    f16 = [kernels.pack_f16(w) for w in weights]
-    f16_narrower = {other: [other.pack_f16(w) for w in weights] for other in narrower}
+    f16 = [kernels.pack(w, torch.float16) for w in weights]
+    f16_narrower = {other: [other.pack(w, torch.float16) for w in weights] for other in narrower}
+    int8_kernel = [kernels.pack(w, torch.int8) for w in weights]
     bf16 = [w.bfloat16() for w in weights]
     scales = [w.abs().amax(1) / 127 for w in weights]
     int8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
@@ -61,10 +62,11 @@ def main() -> None:
         formats = {
             "fp32_packed": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[s[1]], w, None, "none", [], "")
                                     for w, s in zip(packed, shapes)],
-            "f16_kernel": lambda: [kernels.linear_f16(inputs[s[1]], w, s[0], None) for w, s in zip(f16, shapes)],
-            **{f"f16_kernel_{other.isa}": lambda other=other: [other.linear_f16(inputs[s[1]], w, s[0], None)
-                                                               for w, s in zip(f16_narrower[other], shapes)]
+            "f16_kernel": lambda: [kernels.linear(inputs[w.in_features], w, None) for w in f16],
+            **{f"f16_kernel_{other.isa}": lambda other=other: [other.linear(inputs[w.in_features], w, None)
+                                                               for w in f16_narrower[other]]
                for other in narrower},
+            "int8_kernel": lambda: [kernels.linear(inputs[w.in_features], w, None) for w in int8_kernel],
             "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
             "int8": lambda: [torch._weight_int8pack_mm(inputs[s[1]], w, scale) for w, s, scale in zip(int8, shapes, scales)],
         }

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 ENGINE_PRIORITIES = ("normal", "batch")
 DEFAULT_ENGINE_PRIORITY = "normal"
 # The weights that the decode steps of a float32 CPU model read (see PackedLinear): "float16" halves the
-# bytes a step reads and passes the quality gate against float32 (tests/engine/test_quality.py).
-DECODE_WEIGHTS = ("float16", "float32")
+# bytes a step reads and passes the quality gate against float32 (tests/engine/test_quality.py); "int8"
+# quarters them and keeps the perplexity, but not the greedy tokens, so it is a choice, not the default.
+DECODE_WEIGHTS = ("float16", "int8", "float32")
 DEFAULT_DECODE_WEIGHTS = "float16"
 
 

@@ -69,8 +69,9 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
     parser.add_env_argument("--decode-weights", "TANDEM_DECODE_WEIGHTS", DEFAULT_DECODE_WEIGHTS,
                             choices=list(DECODE_WEIGHTS),
                             help="float32 models on the CPU: the weights that decode steps (up to 32 rows) read; float16 "
-                                 "keeps a second, half-size copy for them, read by a kernel built on first use (AVX2 or "
-                                 "AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none")
+                                 "keeps a second, half-size copy for them, int8 a quarter-size one (a scale per row; "
+                                 "faster, but greedy output drifts from float32), read by kernels built on first use "
+                                 "(AVX2 or AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none")
     parser.add_env_argument("--cuda-graphs", "TANDEM_CUDA_GRAPHS", "off", choices=["off", "on"],
                             help="on CUDA: replay steps of decodes alone (up to 64 rows) from CUDA graphs, one launch "
                                  "in place of every kernel of the step")

@@ -1,5 +1,5 @@
 """The CPU kernels (built here with the machine's C compiler, as a worker builds them) against torch's
-own ops; PackedLinear: oneDNN's packed fp32 weight, and the float16 copy that steps of few rows read; and
+own ops; PackedLinear: oneDNN's packed fp32 weight, and the float16 or int8 copy that steps of few rows read; and
 a step of decodes run through all the layers in one call against the same step one op at a time."""
 
 from __future__ import annotations
@@ -43,33 +43,62 @@ def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(ke
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows, width, outputs", [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64)])
-def test_linear_f16_computes_every_tile_and_remainder_in_float32(kernels, rows, width, outputs):
-    torch.manual_seed(rows)
-    x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width).half(), torch.randn(outputs)
-    packed = kernels.pack_f16(weight)
-    expected = F.linear(x.double(), weight.double(), bias.double()).float()
-    torch.testing.assert_close(kernels.linear_f16(x, packed, outputs, bias), expected, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(kernels.linear_f16(x, packed, outputs, None), expected - bias, rtol=1e-5, atol=1e-4)
+def test_few_row_steps_read_the_int8_copy_with_a_scale_per_row(kernels):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 7)
+    packed = PackedLinear(linear, kernels, torch.int8)
+    assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == 9 * 64 + 9 * 4
+    scales = linear.weight.abs().amax(dim=1, keepdim=True) / 127
+    dequantized = torch.round(linear.weight / scales) * scales
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(packed(x), F.linear(x, dequantized, linear.bias), rtol=1e-5, atol=1e-5)
+    assert (packed(x) - linear(x)).abs().max() < 0.02  # within int8 rounding of the float32 weights
 
 
-def test_linear_f16_names_what_it_was_given_wrong(kernels):
-    with pytest.raises(ValueError, match="packed float16 weight"):
-        kernels.linear_f16(torch.randn(1, 8), torch.randn(4, 8), 4, None)
-    with pytest.raises(ValueError, match="matching width"):
-        kernels.linear_f16(torch.randn(1, 8), kernels.pack_f16(torch.randn(4, 16)), 4, None)
-    with pytest.raises(ValueError, match=f"multiple of {kernels.chunk} wide"):
-        kernels.pack_f16(torch.randn(4, 12))
+def unpacked(packed):
+    """The [out, in] weight that ``pack`` laid out in tiles, scaled back where it is int8."""
+    rows = packed.data.transpose(1, 2).reshape(-1, packed.in_features).double()
+    if packed.scales is not None:
+        rows = rows * packed.scales.double()[:, None]
+    return rows[:packed.out_features]
 
 
 @torch.inference_mode()
-def test_without_a_float16_copy_every_step_reads_the_fp32_weight():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("rows, width, outputs", [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64)])
+def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, rows, width, outputs):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width), torch.randn(outputs)
+    packed = kernels.pack(weight.half() if dtype == torch.float16 else weight, dtype)
+    assert packed.dtype == dtype
+    if dtype == torch.float16:
+        torch.testing.assert_close(unpacked(packed).float(), weight.half().float())
+    else:  # every row rounded to 255 levels of its own scale
+        assert (unpacked(packed).float() - weight).abs().max() <= weight.abs().max() / 254 + 1e-6
+    expected = F.linear(x.double(), unpacked(packed), bias.double()).float()
+    torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_and_pack_name_what_they_were_given_wrong(kernels):
+    with pytest.raises(ValueError, match="float32 rows 16 wide"):
+        kernels.linear(torch.randn(1, 8), kernels.pack(torch.randn(4, 16), torch.float16), None)
+    with pytest.raises(ValueError, match="float32 rows"):
+        kernels.linear(torch.randn(1, 16).double(), kernels.pack(torch.randn(4, 16), torch.int8), None)
+    with pytest.raises(ValueError, match=f"multiple of {kernels.chunk} wide"):
+        kernels.pack(torch.randn(4, 12), torch.float16)
+    with pytest.raises(ValueError, match="float16 or int8"):
+        kernels.pack(torch.randn(4, 16), torch.bfloat16)
+
+
+@torch.inference_mode()
+def test_without_a_low_precision_copy_every_step_reads_the_fp32_weight(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=False)
-    packed = PackedLinear(linear)
-    assert packed.f16_weight is None
-    x = torch.randn(1, 64)
-    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    for packed in (PackedLinear(linear), PackedLinear(linear, kernels, None)):
+        assert packed.decode_weight is None
+        x = torch.randn(1, 64)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
@@ -222,11 +251,13 @@ def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
 
 
 @torch.inference_mode()
-def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model):
+@pytest.mark.parametrize("decode_weights", ["float16", "int8"])
+def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model, decode_weights):
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     engine = build_engine(str(tiny_model), "cpu", "float32", SchedulerConfig(max_num_batched_tokens=32),
-                          CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="float16")
+                          CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights=decode_weights)
+    assert engine.executor.decode_dtype == getattr(torch, decode_weights)
     model = engine.executor.model
     fused = model.decode_layers
     assert fused is not None and len(fused) == model.config.num_hidden_layers
@@ -251,9 +282,9 @@ def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_t
     assert max(compared_rows) == 4 and min(compared_rows) == 1  # decode steps of all four and of the last alone
 
 
-def test_decode_layers_take_only_packed_float16_weights():
+def test_decode_layers_take_only_packed_weights():
     layer = {"input_norm": torch.ones(8), "post_attention_norm": torch.ones(8),
              **{name: torch.zeros(8, 8) for name in cpu_kernels.DecodeLayers.LINEARS},
              **{f"{name}_bias": None for name in cpu_kernels.DecodeLayers.LINEARS}}
-    with pytest.raises(ValueError, match="float16 weights"):
+    with pytest.raises(ValueError, match="packed by CpuKernels.pack"):
         cpu_kernels.DecodeLayers([layer], 8, 1, 1, 8, 8, 1e-5, 0.3)

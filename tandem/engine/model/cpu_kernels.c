@@ -1,10 +1,11 @@
 /* CPU kernels for decode steps of a float32 model, on AVX2 + FMA + F16C; work is shared out between
  * `threads` OpenMP threads of torch's own libgomp (already loaded when this library is).
  *
- * tandem_linear_f16: y = x · wᵀ (+ bias) for a few float32 rows x and float16 weights w.
+ * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w.
  * A decode step multiplies every weight matrix by a handful of rows, so it is bound by reading the
- * weights. Stored as float16 they are half the bytes of float32; F16C widens them to float32 in
- * registers, and every product and sum is float32. The weight rows are cut into tiles of TILE_N rows,
+ * weights. Stored as float16 they are half the bytes of float32, as int8 (each row scaled to ±127, its
+ * scale kept as a float32) a quarter; they are widened to float32 in registers, and every product and
+ * sum is float32, the row's scale applied to its sum. The weight rows are cut into tiles of TILE_N rows,
  * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass
  * over it. Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and
  * the weights are packed for that width.
@@ -20,7 +21,7 @@
 #include <stdlib.h>
 
 #define TILE_N 3
-/* How far ahead of its reads tandem_linear_f16 prefetches the weights: left to the hardware prefetcher,
+/* How far ahead of its reads tandem_linear prefetches the weights: left to the hardware prefetcher,
  * the weight stream stalls the arithmetic of a batch of rows instead of overlapping it. */
 #define PREFETCH_BYTES 8192
 
@@ -31,6 +32,7 @@ typedef __m512 chunk_vector;
 #define chunk_zero _mm512_setzero_ps
 #define chunk_load _mm512_loadu_ps
 #define chunk_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define chunk_load_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define chunk_fmadd _mm512_fmadd_ps
 #define chunk_sum _mm512_reduce_add_ps
 #define chunk_store _mm512_storeu_ps
@@ -46,6 +48,7 @@ typedef __m256 chunk_vector;
 #define chunk_zero _mm256_setzero_ps
 #define chunk_load _mm256_loadu_ps
 #define chunk_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define chunk_load_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define chunk_fmadd _mm256_fmadd_ps
 #define chunk_sum horizontal_sum
 #define chunk_store _mm256_storeu_ps
@@ -74,21 +77,22 @@ static inline float horizontal_sum(__m256 v)
  * [k / CHUNK][TILE_N][CHUNK], so the kernel reads the weight in one sequential stream (the hardware
  * prefetcher keeps up with one stream, not with TILE_N short ones). The last tile is padded with zero
  * rows. */
-int tandem_linear_f16_tile_rows(void)
+int tandem_linear_tile_rows(void)
 {
     return TILE_N;
 }
 
-int tandem_linear_f16_chunk(void)
+int tandem_linear_chunk(void)
 {
     return CHUNK;
 }
 
-/* rows m < rows_m of x against one packed tile; rows_m is a constant at every call site, so the
- * accumulators stay in registers. Writes the first `columns` of the tile's TILE_N outputs. */
+/* rows m < rows_m of x against one packed tile; rows_m and int8 (the weights are int8 with a scale per
+ * row, else float16) are constants at every call site, so the accumulators stay in registers and each
+ * weight format gets its own loop. Writes the first `columns` of the tile's TILE_N outputs. */
 static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t k_size, const uint16_t *w, const float *bias, float *y, int64_t ldy,
-    int rows_m, int columns)
+    const float *x, int64_t k_size, const void *w, int int8, const float *scales, const float *bias, float *y,
+    int64_t ldy, int rows_m, int columns)
 {
     chunk_vector acc[TILE_M][TILE_N];
     for (int m = 0; m < rows_m; m++)
@@ -96,10 +100,13 @@ static inline __attribute__((always_inline)) void tile(
             acc[m][n] = chunk_zero();
     for (int64_t k = 0; k < k_size; k += CHUNK) {
         chunk_vector wv[TILE_N];
-        _mm_prefetch((const char *)(w + k * TILE_N) + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + k * TILE_N) + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        const char *next = (const char *)w + k * TILE_N * (int8 ? 1 : 2);
+        _mm_prefetch(next + PREFETCH_BYTES, _MM_HINT_T0);
+        if (!int8)
+            _mm_prefetch(next + PREFETCH_BYTES + 64, _MM_HINT_T0);
         for (int n = 0; n < TILE_N; n++)
-            wv[n] = chunk_load_f16(w + k * TILE_N + n * CHUNK);
+            wv[n] = int8 ? chunk_load_i8((const int8_t *)w + k * TILE_N + n * CHUNK)
+                         : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
         for (int m = 0; m < rows_m; m++) {
             chunk_vector xv = chunk_load(x + m * k_size + k);
             for (int n = 0; n < TILE_N; n++)
@@ -109,35 +116,51 @@ static inline __attribute__((always_inline)) void tile(
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < columns; n++) {
             float sum = chunk_sum(acc[m][n]);
+            if (int8)
+                sum *= scales[n];
             y[m * ldy + n] = bias ? sum + bias[n] : sum;
         }
 }
 
-/* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] float16
- * bits, bias [n_size] float32 or NULL, y [rows, n_size] float32; all contiguous. */
-void tandem_linear_f16(const float *x, int64_t rows, int64_t k_size, const uint16_t *w, int64_t n_size,
-                       const float *bias, float *y, int threads)
+/* Every row of x against tile t. */
+static inline __attribute__((always_inline)) void tile_all_rows(
+    const float *x, int64_t rows, int64_t k_size, const void *w, int int8, const float *scales, int64_t n_size,
+    const float *bias, float *y, int64_t t)
+{
+    int64_t n = t * TILE_N;
+    int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
+    const void *wt = (const char *)w + n * k_size * (int8 ? 1 : 2);
+    const float *st = int8 ? scales + n : 0, *bt = bias ? bias + n : 0;
+    int64_t m = 0;
+    for (; m + TILE_M <= rows; m += TILE_M)
+        tile(x + m * k_size, k_size, wt, int8, st, bt, y + m * n_size + n, n_size, TILE_M, columns);
+    /* the remaining rows in one pass over the tile, their count a constant in each case */
+#define REMAINING(count) \
+    case count: tile(x + m * k_size, k_size, wt, int8, st, bt, y + m * n_size + n, n_size, count, columns); break;
+    switch (rows - m) {
+        REMAINING(1) REMAINING(2) REMAINING(3)
+#if TILE_M == 8
+        REMAINING(4) REMAINING(5) REMAINING(6) REMAINING(7)
+#endif
+    }
+#undef REMAINING
+}
+
+/* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] weights:
+ * float16 bits where scales is NULL, else int8 with scales [n_size] float32 (row r's weights are
+ * w[r] · scales[r]); bias [n_size] float32 or NULL, y [rows, n_size] float32; all contiguous. */
+void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const float *scales,
+                   int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
+    if (scales) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n = t * TILE_N;
-        int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
-        const uint16_t *wt = w + n * k_size;
-        const float *bt = bias ? bias + n : 0;
-        int64_t m = 0;
-        for (; m + TILE_M <= rows; m += TILE_M)
-            tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, TILE_M, columns);
-        /* the remaining rows in one pass over the tile, their count a constant in each case */
-#define REMAINING(count) \
-    case count: tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, count, columns); break;
-        switch (rows - m) {
-            REMAINING(1) REMAINING(2) REMAINING(3)
-#if TILE_M == 8
-            REMAINING(4) REMAINING(5) REMAINING(6) REMAINING(7)
-#endif
-        }
-#undef REMAINING
+        for (int64_t t = 0; t < tiles; t++)
+            tile_all_rows(x, rows, k_size, w, 1, scales, n_size, bias, y, t);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < tiles; t++)
+            tile_all_rows(x, rows, k_size, w, 0, 0, n_size, bias, y, t);
     }
 }
 
@@ -550,11 +573,12 @@ void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float
     }
 }
 
-/* One decoder layer's weights for tandem_decode_layers: its norms', and its linears' packed float16
- * weights (see tandem_linear_f16) and biases (NULL where none). */
+/* One decoder layer's weights for tandem_decode_layers: its norms', and its linears' packed weights,
+ * scales (NULL for float16 weights) and biases (NULL where none), as tandem_linear takes them. */
 typedef struct {
     const float *input_norm, *post_attention_norm;
-    const uint16_t *qkv, *o, *gate_up, *down;
+    const void *qkv, *o, *gate_up, *down;
+    const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 } tandem_layer;
 
@@ -584,7 +608,7 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
         const tandem_layer *layer = layers + l;
         float *keys = k_cache + l * cache_layer_size, *values = v_cache + l * cache_layer_size;
         tandem_rms_norm(x, residual, layer->input_norm, rows, hidden, shape->eps, normed, threads);
-        tandem_linear_f16(normed, rows, hidden, layer->qkv, qkv_size, layer->qkv_bias, qkv, threads);
+        tandem_linear(normed, rows, hidden, layer->qkv, layer->qkv_scales, qkv_size, layer->qkv_bias, qkv, threads);
         tandem_rope_and_cache(qkv, rows, shape->num_heads, shape->num_kv_heads, shape->head_dim, positions,
                               cos_table, sin_table, slot_mapping, keys, values, threads);
         int status = tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, rows,
@@ -592,12 +616,13 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
                                              shape->scale, attention, threads);
         if (status)
             return status;
-        tandem_linear_f16(attention, rows, q_size, layer->o, hidden, layer->o_bias, x, threads);
+        tandem_linear(attention, rows, q_size, layer->o, layer->o_scales, hidden, layer->o_bias, x, threads);
         tandem_rms_norm(x, residual, layer->post_attention_norm, rows, hidden, shape->eps, normed, threads);
-        tandem_linear_f16(normed, rows, hidden, layer->gate_up, 2 * shape->intermediate, layer->gate_up_bias,
-                          gate_up, threads);
+        tandem_linear(normed, rows, hidden, layer->gate_up, layer->gate_up_scales, 2 * shape->intermediate,
+                      layer->gate_up_bias, gate_up, threads);
         tandem_silu_and_mul(gate_up, rows, shape->intermediate, activation, threads);
-        tandem_linear_f16(activation, rows, shape->intermediate, layer->down, hidden, layer->down_bias, x, threads);
+        tandem_linear(activation, rows, shape->intermediate, layer->down, layer->down_scales, hidden,
+                      layer->down_bias, x, threads);
     }
     return 0;
 }

@@ -1,6 +1,7 @@
 """CPU kernels for the decode steps of a float32 model (``cpu_kernels.c``), built on first use.
 
-- ``linear_f16``: rows times a float16 weight, in float32 arithmetic (half the bytes of a float32 weight);
+- ``linear``: rows times a float16 weight (half the bytes of a float32 weight) or an int8 weight with a
+  scale per row (a quarter), packed by ``pack``, in float32 arithmetic;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
@@ -16,6 +17,7 @@ an x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a wo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -46,11 +48,11 @@ class CpuKernels:
         self.isa = isa
         c = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._linear_f16 = c.tandem_linear_f16
-        self._linear_f16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-        self._linear_f16.restype = None
-        self.tile_rows = c.tandem_linear_f16_tile_rows()
-        self.chunk = c.tandem_linear_f16_chunk()  # floats per vector: the packed weights' chunk width
+        self._linear = c.tandem_linear
+        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+        self._linear.restype = None
+        self.tile_rows = c.tandem_linear_tile_rows()
+        self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
@@ -69,26 +71,35 @@ class CpuKernels:
                                         i64, ptr, ctypes.c_int]
         self._decode_layers.restype = ctypes.c_int
 
-    def pack_f16(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` [n, k] (k a multiple of ``chunk``) as float16 in the tiled layout ``linear_f16`` reads."""
+    def pack(self, weight: torch.Tensor, dtype: torch.dtype) -> "PackedWeight":
+        """``weight`` [n, k] (k a multiple of ``chunk``) in the tiled layout ``linear`` reads, as float16,
+        or as int8 with each row scaled to ±127 (round to nearest)."""
         rows, width = weight.shape
         if width % self.chunk:
-            raise ValueError(f"pack_f16 needs a weight whose rows are a multiple of {self.chunk} wide, got {width}")
-        padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width, dtype=torch.float16)
+            raise ValueError(f"pack needs a weight whose rows are a multiple of {self.chunk} wide, got {width}")
+        if dtype not in (torch.float16, torch.int8):
+            raise ValueError(f"pack makes float16 or int8 weights, not {dtype}")
+        padded_rows = -(-rows // self.tile_rows) * self.tile_rows
+        scales = None
+        if dtype == torch.int8:
+            weight = weight.float()
+            scales = torch.zeros(padded_rows, dtype=torch.float32)
+            scales[:rows] = weight.abs().amax(dim=1) / 127
+            weight = torch.round(weight / scales[:rows, None].clamp_min(torch.finfo(torch.float32).tiny))
+        padded = torch.zeros(padded_rows, width, dtype=dtype)
         padded[:rows] = weight
-        return padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
+        data = padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
+        return PackedWeight(data, scales, rows, width)
 
-    def linear_f16(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``packed = pack_f16(weight)``."""
-        if x.dtype != torch.float32 or packed.dtype != torch.float16 or x.shape[-1] != packed.shape[1] * self.chunk \
-                or out_features > packed.shape[0] * self.tile_rows:
-            raise ValueError(f"linear_f16 needs float32 rows and a packed float16 weight of matching width, got "
-                             f"{x.dtype} {tuple(x.shape)} and {packed.dtype} {tuple(packed.shape)}")
+    def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None) -> torch.Tensor:
+        """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``weight`` from ``pack``."""
+        if x.dtype != torch.float32 or x.shape[-1] != weight.in_features:
+            raise ValueError(f"linear needs float32 rows {weight.in_features} wide, got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        self._linear_f16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+        self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.scales_pointer,
+                     weight.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                     torch.get_num_threads())
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -175,10 +186,33 @@ class CpuKernels:
             and num_heads // num_kv_heads <= 16
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out_features, in_features] as ``CpuKernels.pack`` lays it out for ``linear``: ``data``
+    float16, or int8 with ``scales`` [rows padded to whole tiles] float32 (row r is data[r] · scales[r])."""
+
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    @property
+    def scales_pointer(self) -> int | None:
+        return None if self.scales is None else self.scales.data_ptr()
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias",
-        "down_bias")]
+        "input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
+        "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
 
 
 class _LayerShape(ctypes.Structure):
@@ -188,7 +222,7 @@ class _LayerShape(ctypes.Structure):
 
 class DecodeLayers:
     """Where ``decode_layers`` finds every decoder layer's weights: per layer, the two norms' float32
-    weights, and the float16 weights (``pack_f16``) and float32 biases (or None) of its linears ``qkv``
+    weights, and the packed weights (``PackedWeight``) and float32 biases (or None) of its linears ``qkv``
     (query, key and value heads fused), ``o``, ``gate_up`` (gate, then up) and ``down``. The tensors stay
     the caller's, who keeps them alive."""
 
@@ -200,10 +234,13 @@ class DecodeLayers:
         for layer in layers:
             _check_float32(layer["input_norm"], layer["post_attention_norm"],
                            *(layer[f"{name}_bias"] for name in self.LINEARS if layer[f"{name}_bias"] is not None))
-            if any(layer[name].dtype != torch.float16 or not layer[name].is_contiguous() for name in self.LINEARS):
-                raise ValueError("decode_layers reads contiguous float16 weights, packed by pack_f16")
-            entries.append(_Layer(**{name: None if tensor is None else tensor.data_ptr()
-                                     for name, tensor in layer.items()}))
+            if not all(isinstance(layer[name], PackedWeight) for name in self.LINEARS):
+                raise ValueError("decode_layers reads weights packed by CpuKernels.pack")
+            norms_and_biases = {name: None if tensor is None else tensor.data_ptr()
+                                for name, tensor in layer.items() if name not in self.LINEARS}
+            entries.append(_Layer(**norms_and_biases,
+                                  **{name: layer[name].data.data_ptr() for name in self.LINEARS},
+                                  **{f"{name}_scales": layer[name].scales_pointer for name in self.LINEARS}))
         self.layers = layers
         self.table = (_Layer * len(entries))(*entries)
         self.shape = _LayerShape(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale)

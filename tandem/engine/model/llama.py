@@ -269,29 +269,29 @@ class CausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None, f16_weights: bool) -> None:
+    def use_cpu_kernels(self, kernels: CpuKernels | None, decode_dtype: torch.dtype | None) -> None:
         """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN, and, with
         ``kernels`` that take this model's head layout, run norms, rotary embeddings, cache writes,
-        activations and decode attention (the runner then passes block tables) through them, and, with
-        ``f16_weights``, the linears of steps of few rows; then a step of decodes alone runs all the decoder
-        layers in one kernel call."""
+        activations and decode attention (the runner then passes block tables) through them, and, with a
+        ``decode_dtype`` (float16 or int8), the linears of steps of few rows, on a copy of the weights in
+        it; then a step of decodes alone runs all the decoder layers in one kernel call."""
         attention = self.layers[0].self_attn
         usable = kernels is not None and kernels.supports_attention(
             attention.num_heads, attention.num_kv_heads, attention.head_dim)
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    f16 = usable and f16_weights and child.in_features % kernels.chunk == 0
-                    setattr(module, name, PackedLinear(child, kernels if f16 else None))
+                    packs = usable and decode_dtype is not None and child.in_features % kernels.chunk == 0
+                    setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
         linears = [dict(zip(DecodeLayers.LINEARS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)))
                    for layer in self.layers]
-        if usable and all(linear.f16_weight is not None for named in linears for linear in named.values()):
+        if usable and all(linear.decode_weight is not None for named in linears for linear in named.values()):
             tables = [{"input_norm": layer.input_layernorm.weight,
                        "post_attention_norm": layer.post_attention_layernorm.weight,
-                       **{name: linear.f16_weight for name, linear in named.items()},
+                       **{name: linear.decode_weight for name, linear in named.items()},
                        **{f"{name}_bias": linear.bias for name, linear in named.items()}}
                       for layer, named in zip(self.layers, linears)]
             self.decode_layers = DecodeLayers(tables, self.config.hidden_size, attention.num_heads,
@@ -307,9 +307,9 @@ class CausalLM(nn.Module):
         return self.cpu_kernels is not None
 
 
-# Steps of at most this many rows (decodes, short prompts) read the float16 copy of the weights, when
-# there is one: up to here the multiply is bound by reading the weights, and the float16 kernel reads
-# half the bytes; beyond, oneDNN's packed float32 kernel catches up (`make bench-weights`).
+# Steps of at most this many rows (decodes, short prompts) read the float16 or int8 copy of the weights,
+# when there is one: up to here the multiply is bound by reading the weights, and the kernels read half or
+# a quarter of the bytes; beyond, oneDNN's packed float32 kernel catches up (`make bench-weights`).
 FEW_ROWS = 32
 
 
@@ -319,20 +319,22 @@ class PackedLinear(nn.Module):
     A decode step multiplies every weight matrix by only a handful of rows. Plain BLAS repacks the
     weight on every call, which costs about as much as the multiply; the pre-reordered weight makes
     these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. With
-    ``f16_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a float16 copy of the weight through
-    their ``linear_f16`` instead, in float32 arithmetic.
+    ``decode_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a copy of the weight in
+    ``decode_dtype`` (float16, or int8 with a scale per row) through their ``linear`` instead, in float32
+    arithmetic.
     """
 
-    def __init__(self, linear: nn.Linear, f16_kernels: CpuKernels | None = None):
+    def __init__(self, linear: nn.Linear, decode_kernels: CpuKernels | None = None,
+                 decode_dtype: torch.dtype | None = torch.float16):
         super().__init__()
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = linear.out_features
-        self.f16_kernels = f16_kernels
-        self.f16_weight = None if f16_kernels is None else f16_kernels.pack_f16(weight)
+        self.decode_kernels = decode_kernels if decode_dtype is not None else None
+        self.decode_weight = None if self.decode_kernels is None else self.decode_kernels.pack(weight, decode_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.f16_kernels is not None and x.shape[0] <= FEW_ROWS:
-            return self.f16_kernels.linear_f16(x, self.f16_weight, self.out_features, self.bias)
+        if self.decode_kernels is not None and x.shape[0] <= FEW_ROWS:
+            return self.decode_kernels.linear(x, self.decode_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

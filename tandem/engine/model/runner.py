@@ -47,8 +47,9 @@ class ModelRunner:
         block_size: tokens per KV block (must match the scheduler's).
         max_model_len: context limit; defaults to the model's ``max_position_embeddings``.
         decode_weights: for a float32 model on the CPU, the weights that steps of few rows (decodes) read:
-            "float16" keeps a second, half-size copy for them, read by a float16 kernel in float32
-            arithmetic (float32 where that kernel cannot run here); "float32": none.
+            "float16" keeps a second, half-size copy for them, "int8" a quarter-size one (each row scaled
+            to ±127), read by the CPU kernels in float32 arithmetic (float32 where those cannot run here);
+            "float32": none.
         cuda_graphs: run steps of decodes alone through CUDA graphs (``decode_graphs``); meant for CUDA,
             where an eager step is bound by kernel launches. Off CUDA the padded steps run eagerly.
     """
@@ -82,9 +83,10 @@ class ModelRunner:
         self.decode_dtype = self.dtype
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
-            self.model.use_cpu_kernels(kernels, decode_weights == "float16")
-            if self.model.uses_cpu_kernels and decode_weights == "float16":
-                self.decode_dtype = torch.float16
+            packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
+            self.model.use_cpu_kernels(kernels, packed_dtype)
+            if self.model.uses_cpu_kernels and packed_dtype is not None:
+                self.decode_dtype = packed_dtype
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
