@@ -87,15 +87,15 @@ def main() -> None:
 
         setattr(CpuKernels, name, timed)
 
-    f16_bytes = sum(module.decode_weight.nbytes for module in runner.model.modules()
+    decode_bytes = sum(module.decode_weight.nbytes for module in runner.model.modules()
                     if getattr(module, "decode_weight", None) is not None)
     bandwidth = read_bandwidth_gb_s()
-    report = {"threads": args.threads, "decode_weight_bytes": f16_bytes, "read_bandwidth_gb_s": bandwidth,
-              "weight_read_floor_ms": f16_bytes / bandwidth / 1e6,
+    report = {"threads": args.threads, "decode_weight_bytes": decode_bytes, "read_bandwidth_gb_s": bandwidth,
+              "weight_read_floor_ms": decode_bytes / bandwidth / 1e6,
               "batches": {batch: timed_steps(engine, batch, args.steps, spent) for batch in (1, 8)}}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "step-budget.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"decode weights {f16_bytes / 1e6:.0f} MB at {bandwidth:.1f} GB/s: "
+    print(f"decode weights {decode_bytes / 1e6:.0f} MB at {bandwidth:.1f} GB/s: "
           f"{report['weight_read_floor_ms']:.1f} ms per step at least")
     for batch, entry in report["batches"].items():
         print(f"batch {batch}: " + ", ".join(f"{key} {value:.1f}" for key, value in entry.items()))
