@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -45,6 +48,25 @@ async def test_the_engine_thread_runs_as_batch_work_only_when_asked(engine, tiny
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop's thread keeps its class
     finally:
         batch.stop()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux threads")
+def test_starting_the_engine_hands_back_the_starting_threads_openmp_team(tiny_llama):
+    # In a fresh interpreter, so that the thread count is this thread's team alone.
+    script = textwrap.dedent(f"""
+        import os, torch
+        from tandem.engine.async_engine import AsyncEngine
+        from tests.engine.helpers import make_engine
+        torch.set_num_threads(2)
+        engine = AsyncEngine(make_engine({str(tiny_llama)!r}))
+        torch.ones(1 << 24).sum()  # a parallel region on this thread, which gets a team of one more thread
+        before = len(os.listdir("/proc/self/task"))
+        engine.start()  # adds the engine thread
+        print(len(os.listdir("/proc/self/task")) - before)
+        engine.stop()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["0"], result.stderr
 
 
 def test_an_unknown_engine_priority_is_refused(tiny_llama):
