@@ -22,8 +22,11 @@
 
 #define TILE_N 3
 /* How far ahead of its reads tandem_linear prefetches the weights: left to the hardware prefetcher,
- * the weight stream stalls the arithmetic of a batch of rows instead of overlapping it. */
+ * the weight stream stalls the arithmetic of a batch of rows instead of overlapping it. A pass of one
+ * row does little arithmetic per byte and so reads the stream faster: it prefetches twice as far ahead
+ * to hide the same memory latency. */
 #define PREFETCH_BYTES 8192
+#define PREFETCH_BYTES_ONE_ROW 16384
 
 #ifdef __AVX512F__
 #define TILE_M 8 /* 24 accumulators of the 32 vector registers */
@@ -98,12 +101,13 @@ static inline __attribute__((always_inline)) void tile(
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < TILE_N; n++)
             acc[m][n] = chunk_zero();
+    const int64_t ahead = rows_m == 1 ? PREFETCH_BYTES_ONE_ROW : PREFETCH_BYTES;
     for (int64_t k = 0; k < k_size; k += CHUNK) {
         chunk_vector wv[TILE_N];
         const char *next = (const char *)w + k * TILE_N * (int8 ? 1 : 2);
-        _mm_prefetch(next + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch(next + ahead, _MM_HINT_T0);
         if (!int8)
-            _mm_prefetch(next + PREFETCH_BYTES + 64, _MM_HINT_T0);
+            _mm_prefetch(next + ahead + 64, _MM_HINT_T0);
         for (int n = 0; n < TILE_N; n++)
             wv[n] = int8 ? chunk_load_i8((const int8_t *)w + k * TILE_N + n * CHUNK)
                          : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
