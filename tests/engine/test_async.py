@@ -54,7 +54,7 @@ async def test_the_engine_thread_runs_as_batch_work_only_when_asked(engine, tiny
 def test_starting_the_engine_hands_back_the_starting_threads_openmp_team(tiny_llama):
     # In a fresh interpreter, so that the thread count is this thread's team alone.
     script = textwrap.dedent(f"""
-        import os, torch
+        import os, time, torch
         from tandem.engine.async_engine import AsyncEngine
         from tests.engine.helpers import make_engine
         torch.set_num_threads(2)
@@ -62,6 +62,9 @@ def test_starting_the_engine_hands_back_the_starting_threads_openmp_team(tiny_ll
         torch.ones(1 << 24).sum()  # a parallel region on this thread, which gets a team of one more thread
         before = len(os.listdir("/proc/self/task"))
         engine.start()  # adds the engine thread
+        deadline = time.monotonic() + 2  # an ended thread may linger in /proc for a moment
+        while len(os.listdir("/proc/self/task")) > before and time.monotonic() < deadline:
+            time.sleep(0.01)
         print(len(os.listdir("/proc/self/task")) - before)
         engine.stop()
     """)
