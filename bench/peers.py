@@ -91,6 +91,8 @@ TANDEM_PRECISIONS = {
     "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8"},
 }
 DEFAULT_PRECISION = "float32+f16-decode"  # the workers' defaults: float32 with DEFAULT_DECODE_WEIGHTS
+# Each workload's throughput in a result, and its name in the speed-ups.
+WORKLOADS = (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream"))
 
 
 def run_tandem(job: dict, precision: str) -> dict:
@@ -394,26 +396,30 @@ def _best(entries: dict[str, dict], metric: str) -> str | None:
 
 
 def _ratio(tandem: dict, peer: dict) -> dict:
-    return {"burst": tandem["burst_output_tok_s"] / peer["burst_output_tok_s"],
-            "single_stream": tandem["single_stream_tok_s"] / peer["single_stream_tok_s"]}
+    return {key: tandem[metric] / peer[metric] for metric, key in WORKLOADS}
 
 
 def speedups(results: dict) -> dict:
     """Tandem's best against each peer's best (per workload), Tandem's default against each peer's best,
     and precision against matching precision."""
     tandem = results.get("tandem", {})
+    default = tandem.get(DEFAULT_PRECISION)
     out: dict = {}
     for peer in ("vllm_cpu", "llama_cpp"):
         if peer not in results or not tandem:
             continue
-        entry = {}
-        for metric, key in (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream")):
+        entry, against_default = {}, {}
+        for metric, key in WORKLOADS:
             t_best, p_best = _best(tandem, metric), _best(results[peer], metric)
             if t_best and p_best:
                 entry[key] = tandem[t_best][metric] / results[peer][p_best][metric]
                 entry[f"{key}_precisions"] = {"tandem": t_best, peer: p_best}
+            if p_best and isinstance(default, dict) and metric in default:
+                against_default[key] = default[metric] / results[peer][p_best][metric]
         if entry:
             out[f"vs_{peer}"] = entry
+        if against_default:
+            out.setdefault("default_precision", {"tandem": DEFAULT_PRECISION})[f"vs_{peer}"] = against_default
     matching: dict = {}
     pairs = [("float32", "vllm_cpu", "float32"), ("bfloat16", "vllm_cpu", "bfloat16"),
              ("float32", "llama_cpp", "F32"), ("float32+f16-decode", "llama_cpp", "F16"),
@@ -426,19 +432,10 @@ def speedups(results: dict) -> dict:
             matching[f"tandem_{t_prec}_vs_{peer}_{p_prec}"] = _ratio(t, p)
     if matching:
         out["matching_precision"] = matching
-    default = tandem.get(DEFAULT_PRECISION)
-    if isinstance(default, dict) and "burst_output_tok_s" in default:
-        out["default_precision"] = {"tandem": DEFAULT_PRECISION}
-        for peer in ("vllm_cpu", "llama_cpp"):
-            out["default_precision"][f"vs_{peer}"] = {}
-            for metric, key in (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream")):
-                p_best = _best(results.get(peer, {}), metric)
-                if p_best:
-                    out["default_precision"][f"vs_{peer}"][key] = default[metric] / results[peer][p_best][metric]
     q4 = results.get("llama_cpp", {}).get("Q4_1")
     if isinstance(q4, dict) and "burst_output_tok_s" in q4:
         entry = {}
-        for metric, key in (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream")):
+        for metric, key in WORKLOADS:
             t_best = _best(tandem, metric)
             if t_best:
                 entry[key] = tandem[t_best][metric] / q4[metric]

@@ -88,7 +88,7 @@ def main() -> None:
         setattr(CpuKernels, name, timed)
 
     decode_bytes = sum(module.decode_weight.nbytes for module in runner.model.modules()
-                    if getattr(module, "decode_weight", None) is not None)
+                       if getattr(module, "decode_weight", None) is not None)
     bandwidth = read_bandwidth_gb_s()
     report = {"threads": args.threads, "decode_weight_bytes": decode_bytes, "read_bandwidth_gb_s": bandwidth,
               "weight_read_floor_ms": decode_bytes / bandwidth / 1e6,

@@ -232,13 +232,13 @@ class AsyncEngine:
                 pass
 
 
-def release_openmp_team() -> bool:
+def release_openmp_team() -> None:
     """Hand back the OpenMP worker threads the calling thread holds in the libgomp torch has loaded
-    (``omp_pause_resource_all``); the next parallel region of this thread makes a new team. False where
-    no libgomp is loaded or it cannot pause."""
+    (``omp_pause_resource_all``); the next parallel region of this thread makes a new team. Nothing to do
+    where no libgomp is loaded or it cannot pause."""
     try:
         pause = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_pause_resource_all
     except (OSError, AttributeError):  # none loaded, one older than OpenMP 5, or a platform without RTLD_NOLOAD
-        return False
+        return
     omp_pause_soft = 1
-    return pause(omp_pause_soft) == 0
+    pause(omp_pause_soft)
