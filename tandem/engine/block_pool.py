@@ -50,6 +50,44 @@ class CacheFeed:
         self.stale = True
 
 
+class CacheFeeds:
+    """The subscribers of one hash index, and what each has still to take.
+
+    Args:
+        limit: changes a feed may pile up before it turns stale (a subscriber that stopped reading).
+    """
+
+    def __init__(self, limit: int):
+        self._feeds: list[CacheFeed] = []
+        self._limit = limit
+
+    def subscribe(self) -> CacheFeed:
+        feed = CacheFeed()
+        self._feeds.append(feed)
+        return feed
+
+    def unsubscribe(self, feed: CacheFeed) -> None:
+        self._feeds.remove(feed)
+
+    def publish(self, block_hash: bytes, standing: str) -> None:
+        for feed in self._feeds:
+            if not feed.stale:
+                feed.changes[block_hash] = standing
+                if len(feed.changes) > self._limit:
+                    feed.stale = True
+                    feed.changes = {}
+
+    @staticmethod
+    def take(feed: CacheFeed, listing: Callable[[], dict[bytes, str]]) -> tuple[bool, dict[bytes, str]]:
+        """(True, ``listing()``) for a stale feed, else (False, the changes since the last take)."""
+        if feed.stale:
+            feed.stale = False
+            feed.changes = {}
+            return True, listing()
+        changes, feed.changes = feed.changes, {}
+        return False, changes
+
+
 @dataclass(frozen=True)
 class CachedPrefix:
     """A prompt's tokens the prefix cache would serve now, and of those the ones in blocks no request
@@ -94,8 +132,7 @@ class BlockPool:
         self._num_cached_free = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        self._feeds: list[CacheFeed] = []
-        self._feed_limit = 2 * num_blocks + 1024
+        self._feeds = CacheFeeds(limit=2 * num_blocks + 1024)
 
     @property
     def num_blocks(self) -> int:
@@ -138,29 +175,14 @@ class BlockPool:
                             sum(1 for block in hits if block.ref_count == 0) * self.block_size)
 
     def subscribe(self) -> CacheFeed:
-        feed = CacheFeed()
-        self._feeds.append(feed)
-        return feed
+        return self._feeds.subscribe()
 
     def unsubscribe(self, feed: CacheFeed) -> None:
-        self._feeds.remove(feed)
+        self._feeds.unsubscribe(feed)
 
     def take_changes(self, feed: CacheFeed) -> tuple[bool, dict[bytes, str]]:
         """(True, every cached hash's standing) for a stale feed, else (False, the changes since the last take)."""
-        if feed.stale:
-            feed.stale = False
-            feed.changes = {}
-            return True, {h: HELD if block.ref_count else FREE for h, block in self._by_hash.items()}
-        changes, feed.changes = feed.changes, {}
-        return False, changes
-
-    def _publish(self, block_hash: bytes, standing: str) -> None:
-        for feed in self._feeds:
-            if not feed.stale:
-                feed.changes[block_hash] = standing
-                if len(feed.changes) > self._feed_limit:  # a subscriber that stopped reading
-                    feed.stale = True
-                    feed.changes = {}
+        return self._feeds.take(feed, lambda: {h: HELD if block.ref_count else FREE for h, block in self._by_hash.items()})
 
     def record_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_queried_tokens
@@ -177,7 +199,7 @@ class BlockPool:
                 del self._free[block.block_id]
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
-                    self._publish(block.block_hash, HELD)
+                    self._feeds.publish(block.block_hash, HELD)
             block.ref_count += 1
 
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -212,7 +234,7 @@ class BlockPool:
                     self._free.move_to_end(block_id, last=False)
                 else:
                     self._num_cached_free += 1
-                    self._publish(block.block_hash, FREE)
+                    self._feeds.publish(block.block_hash, FREE)
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Publish a full, computed block under its chain hash. A hash already published keeps its block."""
@@ -222,7 +244,7 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._by_hash[block_hash] = block
-        self._publish(block_hash, HELD if block.ref_count else FREE)
+        self._feeds.publish(block_hash, HELD if block.ref_count else FREE)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block. Only valid while no request holds blocks."""
@@ -241,4 +263,4 @@ class BlockPool:
         block.token_ids = None
         if self._on_evict is not None:
             self._on_evict(block_hash)
-        self._publish(block_hash, REMOVED)
+        self._feeds.publish(block_hash, REMOVED)

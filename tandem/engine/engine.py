@@ -237,30 +237,8 @@ class LLMEngine:
     def _validate(self, request: Request) -> None:
         if request.req_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.req_id!r} is already in use")
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        vocab = self.executor.vocab_size
-        for token in request.prompt_token_ids:
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequestError("prompt_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab})")
-        if not isinstance(request.max_new_tokens, int) or request.max_new_tokens <= 0:
-            raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {request.max_new_tokens!r}")
-        total = request.num_prompt_tokens + request.max_new_tokens
-        if total > self.executor.max_model_len:
-            raise InvalidRequestError(
-                "max_new_tokens",
-                f"prompt ({request.num_prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) "
-                f"exceeds the context length {self.executor.max_model_len}",
-            )
-        if request.max_num_blocks(self.config.block_size) > self.scheduler.pool.num_blocks:
-            raise InvalidRequestError(
-                "max_new_tokens",
-                f"prompt + max_new_tokens ({total} tokens) exceeds the KV cache "
-                f"({self.scheduler.pool.num_blocks * self.config.block_size} tokens)",
-            )
-        for token in request.stop_token_ids:
-            if not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequestError("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab})")
+        validate_request(request, self.executor.vocab_size, self.executor.max_model_len,
+                         self.scheduler.pool.num_blocks, self.config.block_size)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         """Detokenize the request's new token (``process`` releases its text); return the status it ends with."""
@@ -289,3 +267,33 @@ class LLMEngine:
             total_time_s=now - request.arrival_time,
         )
         return RequestOutput(request.req_id, token_ids, text, request.finish_reason, request.error, stats)
+
+
+def validate_request(request: Request, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int) -> None:
+    """Check a request against a model's vocabulary and context and a KV cache's size (any engine's).
+
+    Raises:
+        InvalidRequestError: naming the field, as the worker API spells it.
+    """
+    if not request.prompt_token_ids:
+        raise InvalidRequestError("prompt", "must not be empty")
+    for token in request.prompt_token_ids:
+        if not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError("prompt_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
+    if not isinstance(request.max_new_tokens, int) or request.max_new_tokens <= 0:
+        raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {request.max_new_tokens!r}")
+    total = request.num_prompt_tokens + request.max_new_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"prompt ({request.num_prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) "
+            f"exceeds the context length {max_model_len}",
+        )
+    if request.max_num_blocks(block_size) > num_kv_blocks:
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"prompt + max_new_tokens ({total} tokens) exceeds the KV cache ({num_kv_blocks * block_size} tokens)",
+        )
+    for token in request.stop_token_ids:
+        if not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")

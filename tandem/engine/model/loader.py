@@ -141,3 +141,21 @@ def model_fingerprint(model_dir: Path) -> str:
             while chunk := handle.read(1 << 20):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def eos_token_ids(config, model_dir: Path) -> frozenset[int]:
+    """The end-of-sequence ids of a model: its config's and its generation config's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    sources = [config.eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)

@@ -13,7 +13,7 @@ from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.decode_graphs import DecodeGraphs
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
-from tandem.engine.model.loader import load_tensors
+from tandem.engine.model.loader import eos_token_ids, load_tensors
 from tandem.engine.model.sampler import sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.utils import cdiv
@@ -65,7 +65,7 @@ class ModelRunner:
         decode_weights: str = DEFAULT_DECODE_WEIGHTS,
         cuda_graphs: bool = False,
     ):
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import AutoConfig
 
         self.torch_device = torch.device(device)
         self.device = str(self.torch_device)
@@ -89,7 +89,7 @@ class ModelRunner:
                 self.decode_dtype = packed_dtype
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
-        self.eos_token_ids = _eos_token_ids(config, model_dir, GenerationConfig)
+        self.eos_token_ids = eos_token_ids(config, model_dir)
 
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -228,18 +228,3 @@ class ModelRunner:
 class _BlockRow:
     source: list[int]  # the request's block_ids list the tensor copies: appended to in place until reallocated
     ids: torch.Tensor
-
-
-def _eos_token_ids(config, model_dir: Path, generation_config_cls) -> frozenset[int]:
-    ids: set[int] = set()
-    sources = [config.eos_token_id]
-    try:
-        sources.append(generation_config_cls.from_pretrained(model_dir).eos_token_id)
-    except OSError:
-        pass
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
-    return frozenset(ids)
