@@ -3,10 +3,10 @@ from __future__ import annotations
 import pytest
 
 
-def _tiny(tmp_path_factory, family: str):
+def _tiny(tmp_path_factory, family: str, **shape):
     from tests.models import build_tiny_model  # imports torch: only for tests that use a model
 
-    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family)
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family, **shape)
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +22,9 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session", params=["llama", "qwen2"])
 def tiny_model(request, tiny_llama, tiny_qwen2):
     return {"llama": tiny_llama, "qwen2": tiny_qwen2}[request.param]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_64(tmp_path_factory):
+    """The tiny llama with heads 64 wide: a model both engines (Tandem's and vLLM's on the CPU) accept."""
+    return _tiny(tmp_path_factory, "llama", head_dim=64)

@@ -42,16 +42,20 @@ def build_tokenizer(directory: Path):
     return fast
 
 
-def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0) -> Path:
-    """Save a tiny random-weight causal LM of ``family`` ("llama" or "qwen2") with a tokenizer."""
+def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0, head_dim: int = 16) -> Path:
+    """Save a tiny random-weight causal LM of ``family`` ("llama" or "qwen2") with a tokenizer.
+
+    Its two layers have 4 query and 2 key-value heads of ``head_dim`` each (vLLM's CPU attention takes 64,
+    not 16).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
     common = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -78,6 +78,10 @@ class AsyncEngine:
             outputs = [self.engine.abort(req_id) for req_id in list(self._streams)]
         self._deliver([out for out in outputs if out is not None])
 
+    async def close(self) -> None:
+        """``stop``, off the event loop (it waits for the step in flight)."""
+        await asyncio.to_thread(self.stop)
+
     @property
     def healthy(self) -> bool:
         return self.engine.healthy and self._thread.is_alive()

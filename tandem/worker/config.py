@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -17,6 +19,10 @@ from tandem.options import EnvArgumentParser, port_number, positive_float, posit
 from tandem.protocol import WORKER_KINDS
 from tandem.security import ServerTLS, add_server_tls_arguments, server_tls
 
+# Each engine's tokens per KV block unless --block-size says otherwise. vLLM's CPU attention takes
+# multiples of 32 only; 32 also suits its GPU kernels and keeps prefix hits fine-grained.
+ENGINE_BLOCK_SIZES = {"tandem": 16, "vllm": 32}
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -28,6 +34,7 @@ class WorkerConfig:
     """
 
     kind: str
+    engine: str = "tandem"
     host: str = "127.0.0.1"
     port: int = 50061
     model: str | None = None
@@ -43,10 +50,13 @@ class WorkerConfig:
     max_message_bytes: int = 4 << 20
     metrics_port: int = 0
     tls: ServerTLS | None = None
+    vllm_args: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in WORKER_KINDS:
             raise ValueError(f"kind must be one of {', '.join(WORKER_KINDS)}, got {self.kind!r}")
+        if self.engine not in ENGINE_BLOCK_SIZES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_BLOCK_SIZES)}, got {self.engine!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_grace_s < 0:
@@ -55,6 +65,12 @@ class WorkerConfig:
 
 def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
     parser = EnvArgumentParser(prog=f"python -m {kind}_worker", description=f"Tandem {kind} worker")
+    parser.add_env_argument("--engine", "TANDEM_ENGINE", "tandem", choices=list(ENGINE_BLOCK_SIZES),
+                            help="what runs the model: tandem (Tandem's own engine) or vllm (vLLM's AsyncLLM, "
+                                 "installed beside Tandem: tandem[vllm])")
+    parser.add_env_argument("--vllm-args", "TANDEM_VLLM_ARGS", {}, type=_json_object,
+                            help="with --engine vllm: more of vLLM's engine arguments, as a JSON object, e.g. "
+                                 "'{\"enforce_eager\": true}'")
     parser.add_env_argument("--host", "TANDEM_HOST", "127.0.0.1", help="address to listen on")
     parser.add_env_argument("--port", "TANDEM_PORT", default_port, type=port_number, help="gRPC port")
     parser.add_env_argument(
@@ -83,7 +99,8 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="bound of the waiting queue; beyond it requests get RESOURCE_EXHAUSTED")
     parser.add_env_argument("--max-batched-tokens", "TANDEM_MAX_BATCHED_TOKENS", 512, type=positive_int,
                             help="tokens computed per engine step (prefill chunk size)")
-    parser.add_env_argument("--block-size", "TANDEM_BLOCK_SIZE", 16, type=positive_int, help="tokens per KV block")
+    parser.add_env_argument("--block-size", "TANDEM_BLOCK_SIZE", None, type=positive_int,
+                            help="tokens per KV block (default: 16 for the tandem engine, 32 for vllm)")
     parser.add_env_argument("--kv-cache-gib", "TANDEM_KV_CACHE_GIB", 1.0, type=positive_float,
                             help="KV cache memory in GiB")
     parser.add_env_argument("--num-kv-blocks", "TANDEM_NUM_KV_BLOCKS", None, type=positive_int,
@@ -108,6 +125,8 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
     try:
         return WorkerConfig(
             kind=kind,
+            engine=args.engine,
+            vllm_args=args.vllm_args,
             host=args.host,
             port=args.port,
             model=args.model,
@@ -120,7 +139,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
                 max_active_requests=args.max_active,
                 max_waiting_requests=args.max_waiting,
                 max_num_batched_tokens=args.max_batched_tokens,
-                block_size=args.block_size,
+                block_size=args.block_size or ENGINE_BLOCK_SIZES[args.engine],
             ),
             cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),
             drain_grace_s=args.drain_grace_s,
@@ -131,6 +150,16 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
         )
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def default_threads() -> int:

@@ -7,48 +7,17 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from importlib.metadata import version
-from pathlib import Path
 
-from tandem.engine.async_engine import AsyncEngine
-from tandem.engine.engine import LLMEngine
 from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
 from tandem.v1 import worker_pb2, worker_pb2_grpc
-from tandem.worker import metrics
-from tandem.worker.config import WorkerConfig, default_threads
-from tandem.worker.servicer import WorkerIdentity, WorkerServicer
+from tandem.worker import engines
+from tandem.worker.config import WorkerConfig
+from tandem.worker.servicer import WorkerServicer
 
 logger = logging.getLogger(__name__)
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-
-
-def load_engine(config: WorkerConfig) -> tuple[LLMEngine, WorkerIdentity, Path]:
-    """Load the model and calibrate the engine (slow; runs off the event loop)."""
-    import torch
-
-    from tandem.engine.model.factory import build_engine
-    from tandem.engine.model.loader import DEFAULT_MODEL_NAME, model_fingerprint, resolve_model
-
-    torch.set_num_threads(config.threads or default_threads())
-    model_dir = resolve_model(config.model)
-    engine = build_engine(str(model_dir), config.device, config.dtype, config.scheduler, config.cache,
-                          decode_weights=config.decode_weights, cuda_graphs=config.cuda_graphs)
-    runner = engine.executor
-    identity = WorkerIdentity(
-        kind=config.kind,
-        model_id=config.model or DEFAULT_MODEL_NAME,
-        model_fingerprint=model_fingerprint(model_dir),
-        dtype=str(runner.dtype).removeprefix("torch."),
-        max_waiting_requests=config.scheduler.max_waiting_requests,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        context_length=runner.max_model_len,
-        vocab_size=runner.vocab_size,
-        eos_token_ids=tuple(sorted(runner.eos_token_ids)),
-        version=version("tandem"),
-    )
-    return engine, identity, model_dir
 
 
 async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
@@ -77,12 +46,6 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     await service.server.start()
     logger.info("%s worker listening on %s; loading the model", config.kind, service.address)
 
-    loaded = await _run_in_daemon_thread(lambda: load_engine(config), stop)
-    if loaded is None:
-        await service.server.stop(grace=0)
-        return 0
-    engine, identity, model_dir = loaded
-
     def on_failure(reason: str) -> None:
         def mark() -> None:
             servicer.mark_failed()
@@ -90,18 +53,16 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
 
         loop.call_soon_threadsafe(mark)
 
-    from tandem.engine.model.factory import load_tokenizer
-
-    async_engine = AsyncEngine(engine, on_failure=on_failure, on_step=metrics.record_step,
-                               priority=config.engine_priority)
-    async_engine.start()
-    servicer.attach(async_engine, identity, load_tokenizer(model_dir))
+    start = await _run_in_daemon_thread(lambda: engines.load(config, on_failure), stop)
+    if start is None:
+        await service.server.stop(grace=0)
+        return 0
+    opened = await start()
+    servicer.attach(opened.engine, opened.identity, opened.tokenizer)
     await service.set_health(True)
-    rates = engine.rates.rates()
-    logger.info(
-        "ready on %s: %s on %s (%s), prefill %.0f tok/s, decode %.0f tok/s",
-        service.address, identity.model_id, engine.executor.device, identity.dtype, rates.prefill_tok_s, rates.decode_tok_s,
-    )
+    identity = opened.identity
+    logger.info("ready on %s: %s on %s (%s, %s engine %s), %s", service.address, identity.model_id, config.device,
+                identity.dtype, identity.engine, identity.engine_version, opened.rates_line)
 
     await stop.wait()
     logger.info("draining: refusing new requests, waiting up to %.0f s for in-flight streams", config.drain_grace_s)
@@ -110,7 +71,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     if not await servicer.wait_idle(config.drain_grace_s):
         logger.warning("grace period over; cancelling the streams still in flight")
     await service.server.stop(grace=1.0)
-    async_engine.stop()
+    await opened.engine.close()
     logger.info("stopped")
     return 0
 

@@ -7,11 +7,9 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
-from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.block_pool import FREE, HELD, REMOVED, CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput
 from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
@@ -21,6 +19,7 @@ from tandem.protocol import WORKER_KINDS, prompt_token_ids, sampling_params
 from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import metrics
+from tandem.worker.engines import WorkerEngine, WorkerIdentity
 
 logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.worker")
@@ -49,36 +48,20 @@ _STATUS_CODES = {
 _ENGINE_ERRORS = tuple(_STATUS_CODES)
 
 
-@dataclass(frozen=True)
-class WorkerIdentity:
-    """What GetInfo reports besides live state."""
-
-    kind: str
-    model_id: str
-    model_fingerprint: str
-    dtype: str
-    max_waiting_requests: int
-    max_num_batched_tokens: int
-    context_length: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    version: str
-
-
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one engine. Until ``attach`` it answers UNAVAILABLE (starting); ``drain`` refuses new work."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.serving_state = common_pb2.SERVING_STATE_STARTING
-        self.engine: AsyncEngine | None = None
+        self.engine: WorkerEngine | None = None
         self.identity: WorkerIdentity | None = None
         self.tokenizer = None
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def attach(self, engine: AsyncEngine, identity: WorkerIdentity, tokenizer) -> None:
+    def attach(self, engine: WorkerEngine, identity: WorkerIdentity, tokenizer) -> None:
         self.engine, self.identity, self.tokenizer = engine, identity, tokenizer
         self.serving_state = common_pb2.SERVING_STATE_SERVING
 
@@ -133,7 +116,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async for request in requests:
             yield self._estimate(engine, request)
 
-    def _estimate(self, engine: AsyncEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
+    def _estimate(self, engine: WorkerEngine, request: worker_pb2.EstimateRequest) -> common_pb2.BackendState:
         metrics.ESTIMATES.inc()
         return self._state_message(engine.state(), engine.cached_prefix(list(request.prompt_token_ids)))
 
@@ -180,9 +163,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             eos_token_ids=identity.eos_token_ids,
             rates=_rates_message(state.rates),
             version=identity.version,
+            engine=identity.engine,
+            engine_version=identity.engine_version,
         )
 
-    async def _require_state(self, context: grpc.aio.ServicerContext, state: int | None = None) -> AsyncEngine:
+    async def _require_state(self, context: grpc.aio.ServicerContext, state: int | None = None) -> WorkerEngine:
         """The engine, or abort UNAVAILABLE while starting (or, for new work, while not serving)."""
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is starting: the model is loading or calibrating")
@@ -247,6 +232,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             serving_state=serving_state,
             timestamp_s=time.time(),
             prefix_cache_changes=prefix_cache_changes,
+            engine=self.identity.engine,
+            engine_version=self.identity.engine_version,
             requests=[
                 common_pb2.RequestLoad(
                     request_id=r.req_id, running=r.running, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_budget,

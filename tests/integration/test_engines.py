@@ -1,0 +1,231 @@
+"""The worker API on both engines: Tandem's own and vLLM's (the real vLLM, its CPU build), called over gRPC.
+
+Each test runs once per engine against a worker process serving the same tiny float32 model, and asks the
+same of both: the router relies on nothing else.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+import pytest
+
+from tandem.v1 import common_pb2, worker_pb2
+from tests.engine.helpers import hf_greedy
+from tests.integration.engines import BLOCK_SIZE, ENGINES, engine_worker, running_engine_worker
+from tests.integration.workers import NOT_SERVING, SERVING, wait_until
+
+GREEDY = common_pb2.SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def worker(request, tiny_llama_64, tmp_path_factory):
+    log = tmp_path_factory.mktemp(f"worker-{request.param}") / "worker.log"
+    with running_engine_worker(request.param, tiny_llama_64, log, "--max-active", "4") as process:
+        process.engine = request.param
+        yield process
+
+
+def ids(values) -> worker_pb2.TokenIds:
+    return worker_pb2.TokenIds(ids=values)
+
+
+def generate(worker, timeout: float = 60, **fields) -> list[worker_pb2.GenerateResponse]:
+    return list(worker.stub.Generate(worker_pb2.GenerateRequest(**fields), timeout=timeout))
+
+
+def tokens_of(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def estimate(worker, prompt=()) -> common_pb2.BackendState:
+    return worker.stub.Estimate(worker_pb2.EstimateRequest(prompt_token_ids=list(prompt)), timeout=5)
+
+
+def idle(worker) -> common_pb2.BackendState:
+    """The worker's state once nothing runs, waits or holds KV blocks (fails the test if that never comes)."""
+    return wait_until(lambda: (s := estimate(worker)).num_running == 0 and s.num_waiting == 0
+                      and s.kv_blocks_used == 0 and not s.requests and s)
+
+
+def test_the_stream_matches_transformers_greedy_output_token_for_token(worker, tiny_llama_64):
+    for prompt in (list(range(10, 40)), list(range(200, 290)), [5, 17, 99, 3]):
+        responses = generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=12, sampling=GREEDY, ignore_eos=True)
+        assert tokens_of(responses) == hf_greedy(tiny_llama_64, prompt, 12)
+        result = responses[-1].result
+        assert result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert (result.usage.prompt_tokens, result.usage.output_tokens) == (len(prompt), 12)
+        assert 0 <= result.timings.queue_time_s <= result.timings.ttft_s <= result.timings.total_time_s
+        assert not any(r.HasField("result") for r in responses[:-1])
+
+
+def test_the_worker_names_its_engine_and_reports_its_limits(worker):
+    info = worker.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+    state = estimate(worker)
+    assert info.engine == state.engine == worker.engine and info.engine_version == state.engine_version != ""
+    assert info.block_size == state.block_size == BLOCK_SIZE
+    assert info.max_active_requests == state.max_active_requests == 4
+    assert info.kv_blocks_total == state.kv_blocks_total > 0
+    assert (info.vocab_size, info.context_length, info.dtype) == (400, 1024, "float32")
+    assert state.rates.prefill_tokens_per_s > 0 and state.rates.decode_tokens_per_s > 0
+    assert state.rates.calibration_steps >= 4
+    assert state.serving_state == common_pb2.SERVING_STATE_SERVING and state.device == "cpu"
+
+
+def test_the_prefix_cache_is_reported_as_the_engine_uses_it(worker):
+    prefix = list(range(100, 196))  # three full blocks
+    generate(worker, prompt_token_ids=ids(prefix + [5]), max_new_tokens=2, sampling=GREEDY, ignore_eos=True)
+    state = wait_until(lambda: (s := estimate(worker, prefix + [7, 8])).cached_tokens == 96 and s)
+    assert state.cached_tokens_evictable == 96  # the request is done: nothing holds the blocks
+    responses = generate(worker, prompt_token_ids=ids(prefix + [7, 8]), max_new_tokens=2, sampling=GREEDY,
+                         ignore_eos=True)
+    assert responses[-1].result.usage.cached_tokens == 96
+    assert estimate(worker, prefix[:64] + [1]).cached_tokens == 64
+
+
+def test_watch_state_sends_the_index_whole_then_what_changes(worker):
+    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(interval_s=0.05, prefix_cache_changes=True), timeout=30)
+    try:
+        listing = next(call).prefix_cache_changes
+        assert listing.reset and not listing.continued
+        known = set(listing.held) | set(listing.free)
+        prompt = list(range(300, 364)) + [1]  # two new full blocks
+        generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=1, sampling=GREEDY, ignore_eos=True)
+        added: set[bytes] = set()
+        deadline = time.monotonic() + 10
+        while len(added) < 2 and time.monotonic() < deadline:
+            changes = next(call).prefix_cache_changes
+            assert not changes.reset
+            added |= (set(changes.held) | set(changes.free)) - known
+        assert len(added) == 2
+    finally:
+        call.cancel()
+
+
+def test_cancel_mid_stream_frees_everything(worker):
+    call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))), max_new_tokens=900,
+                                                           sampling=GREEDY, ignore_eos=True), timeout=60)
+    next(call)
+    assert wait_until(lambda: estimate(worker).num_running == 1)
+    call.cancel()
+    state = idle(worker)
+    assert state.pending_decode_tokens == 0 and state.pending_prefill_tokens == 0
+    assert len(generate(worker, prompt_token_ids=ids([1, 2, 3]), max_new_tokens=3, ignore_eos=True)) > 0
+
+
+def test_a_deadline_aborts_the_request_in_the_engine(worker):
+    with pytest.raises(grpc.RpcError) as info:
+        generate(worker, timeout=0.3, prompt_token_ids=ids(list(range(50))), max_new_tokens=900, sampling=GREEDY,
+                 ignore_eos=True)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    idle(worker)
+
+
+def test_stop_token_ids_and_stop_strings_end_the_stream(worker):
+    prompt = list(range(60, 80))
+    reference = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=16, sampling=GREEDY,
+                                   ignore_eos=True))
+    stop_token = reference[5]
+    responses = generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=16, sampling=GREEDY, ignore_eos=True,
+                         stop_token_ids=[stop_token])
+    assert tokens_of(responses) == reference[:reference.index(stop_token) + 1]
+    assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_STOP
+    text = "".join(r.text for r in generate(worker, prompt_text="The quick brown fox", max_new_tokens=16,
+                                            sampling=GREEDY, ignore_eos=True))
+    stop = text.strip()[:2]
+    stopped = generate(worker, prompt_text="The quick brown fox", max_new_tokens=16, sampling=GREEDY,
+                       ignore_eos=True, stop=[stop])
+    assert stop not in "".join(r.text for r in stopped)
+    assert stopped[-1].result.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_seeded_sample_repeats(worker):
+    sampling = common_pb2.SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    prompt = list(range(20, 40))
+    runs = [tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=24, sampling=sampling,
+                               ignore_eos=True)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    greedy = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=24, sampling=GREEDY,
+                                ignore_eos=True))
+    assert runs[0] != greedy  # it sampled
+
+
+@pytest.mark.parametrize(
+    ("fields", "code", "field"),
+    [
+        (dict(prompt_token_ids=ids([]), max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+        (dict(max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (dict(prompt_token_ids=ids([1, 99999]), max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(top_p=1.5)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(temperature=-1)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, stop_token_ids=[123456]), grpc.StatusCode.INVALID_ARGUMENT,
+         "stop_token_ids"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT,
+         "request_id"),
+    ],
+)
+def test_invalid_input_gets_the_same_status_and_field_on_both_engines(worker, fields, code, field):
+    with pytest.raises(grpc.RpcError) as info:
+        generate(worker, **fields)
+    assert info.value.code() == code
+    assert info.value.details().startswith(field + ":"), info.value.details()
+    assert worker.health_status() == SERVING
+    idle(worker)
+
+
+def test_a_request_id_in_flight_cannot_be_reused(worker):
+    call = worker.stub.Generate(worker_pb2.GenerateRequest(request_id="twice", prompt_token_ids=ids(list(range(30))),
+                                                           max_new_tokens=500, ignore_eos=True), timeout=60)
+    next(call)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(worker, request_id="twice", prompt_token_ids=ids([1, 2]), max_new_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("request_id:")
+    call.cancel()
+    idle(worker)
+
+
+def test_the_queue_and_budgets_are_reported_per_request(worker):
+    prompts = [[random.Random(i).randrange(400) for _ in range(40)] for i in range(6)]
+    calls = [worker.stub.Generate(worker_pb2.GenerateRequest(request_id=f"load-{i}", prompt_token_ids=ids(p),
+                                                             max_new_tokens=300, ignore_eos=True), timeout=60)
+             for i, p in enumerate(prompts)]
+    try:
+        state = wait_until(lambda: (s := estimate(worker)).num_running == 4 and s.num_waiting == 2 and s)
+        assert {r.request_id for r in state.requests} == {f"load-{i}" for i in range(6)}
+        assert [r.running for r in state.requests] == [True] * 4 + [False] * 2
+        assert all(0 < r.decode_tokens <= 300 for r in state.requests)
+        assert all(r.prefill_tokens == 40 for r in state.requests if not r.running)
+        assert state.pending_decode_tokens == sum(r.decode_tokens for r in state.requests)
+        assert state.kv_blocks_used > 0
+    finally:
+        for call in calls:
+            call.cancel()
+    idle(worker)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llama_64, tmp_path):
+    process = engine_worker(engine, tiny_llama_64, tmp_path / "worker.log")
+    try:
+        process.wait_for_health(SERVING)
+        stream = process.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(20))),
+                                                                  max_new_tokens=200, sampling=GREEDY,
+                                                                  ignore_eos=True), timeout=120)
+        received = list(next(stream).token_ids)
+        process.process.send_signal(15)
+        process.wait_for_health(NOT_SERVING, timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            generate(process, prompt_token_ids=ids([1, 2]), max_new_tokens=2, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+        responses = list(stream)
+        assert len(received) + len(tokens_of(responses)) == 200
+        assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert process.process.wait(60) == 0
+    finally:
+        process.close()
