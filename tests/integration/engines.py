@@ -7,13 +7,12 @@ with it set to a Python that is missing, they fail.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.integration.workers import REPO, WorkerProcess
+from tests.integration.workers import REPO, WorkerProcess, healthy
 
 ENGINES = ("tandem", "vllm")
 BLOCK_SIZE = 32  # one block size for both, so that the tests' prompts cover the same blocks
@@ -44,12 +43,6 @@ def engine_worker(engine: str, model_dir: Path, log_path: Path, *args: str, kind
     return WorkerProcess(model_dir, log_path, *args, module=f"{kind}_worker", launcher=launcher)
 
 
-@contextlib.contextmanager
 def running_engine_worker(engine: str, model_dir: Path, log_path: Path, *args: str, kind: str = "cpu"):
-    process = engine_worker(engine, model_dir, log_path, *args, kind=kind)
-    try:
-        process.wait_for_health()
-        yield process
-        assert process.alive, f"worker died during the tests:\n{process.log()}"
-    finally:
-        process.close()
+    """A healthy worker running ``engine`` for the duration of a ``with`` block."""
+    return healthy(engine_worker(engine, model_dir, log_path, *args, kind=kind))

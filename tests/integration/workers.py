@@ -39,7 +39,13 @@ def running_worker(model_dir: Path, log_path: Path, *args: str, module_kind: str
     """
     if module_kind == "gpu":
         args = ("--device", TEST_DEVICE, "--dtype", "float32", *args)
-    process = WorkerProcess(model_dir, log_path, *args, module=f"{module_kind}_worker")
+    with healthy(WorkerProcess(model_dir, log_path, *args, module=f"{module_kind}_worker")) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def healthy(process: WorkerProcess):
+    """``process`` once healthy, for the duration of the block; fails the block if it died meanwhile."""
     try:
         process.wait_for_health()
         yield process
