@@ -50,7 +50,6 @@ class KVEventStream:
         self._subscriber.connect(endpoint)
         self._subscriber.setsockopt(zmq.SUBSCRIBE, self._topic)
         self.next_seq = 0
-        self.num_resyncs = 0
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -81,7 +80,6 @@ class KVEventStream:
             pass
         if self.next_seq < seq:
             logger.warning("KV events %d to %d were lost; resynchronising the prefix index", missed_from, seq - 1)
-            self.num_resyncs += 1
             self.index.clear()
             self.next_seq = seq
             await self._on_lost()
