@@ -179,8 +179,7 @@ class VllmEngine:
             outputs = await self.llm.add_request(request.req_id, {"prompt_token_ids": request.prompt_token_ids},
                                                  _vllm_sampling(request))
         except VllmEngineDeadError:
-            self._fail("vLLM's engine died")
-            raise EngineDeadError(self._failure) from None
+            raise self._died() from None
         self._requests[request.req_id] = tracked  # in the order vLLM got them: the order it admits them in
         self._bump()
         finished = False
@@ -193,8 +192,7 @@ class VllmEngine:
                 finished = result.finished
                 yield result
         except VllmEngineDeadError:
-            self._fail("vLLM's engine died")
-            raise EngineDeadError(self._failure) from None
+            raise self._died() from None
         finally:
             if not finished and not self.llm.errored:
                 await self.llm.abort(outputs.request_id, internal=True)
@@ -220,7 +218,8 @@ class VllmEngine:
             tracked.first_token_time = now
         tracked.num_output_tokens += len(completion.token_ids)
         tracked.num_cached_tokens = output.num_cached_tokens or 0
-        self._mark_running()
+        if tracked.first_token_time is not None:
+            self._hold(tracked)
         self._bump()
         if not output.finished:
             return RequestOutput(tracked.request.req_id, tuple(completion.token_ids), completion.text)
@@ -253,9 +252,13 @@ class VllmEngine:
         """Hold the prompt blocks of the requests that now run (see the module's docstring)."""
         running = self._num_running_reported
         for position, tracked in enumerate(self._requests.values()):
-            if not tracked.holding and (position < running or tracked.first_token_time is not None):
-                tracked.holding = True
-                self.index.hold(tracked.block_hashes)
+            if position < running or tracked.first_token_time is not None:
+                self._hold(tracked)
+
+    def _hold(self, tracked: _Tracked) -> None:
+        if not tracked.holding:
+            tracked.holding = True
+            self.index.hold(tracked.block_hashes)
 
     def _load(self) -> SchedulerLoad:
         requests = []
@@ -342,11 +345,16 @@ class VllmEngine:
             samples = []
             for _ in range(repeats):
                 steps = await run(prompt_len, num_requests)
-                wanted = [s for s in steps if (s.num_prefill_tokens > 0) == prefill and
-                          (prefill or s.num_decode_requests == num_requests)]
-                samples += wanted[:1]
+                # vLLM may admit concurrent requests over several steps: keep its widest pure step of the shape.
+                if prefill:
+                    samples += [s for s in steps if s.num_prefill_tokens > 0 and s.num_decode_requests == 0][:1]
+                else:
+                    samples += sorted((s for s in steps if s.num_prefill_tokens == 0),
+                                      key=lambda s: -s.num_decode_requests)[:1]
             if samples:
-                self.rates.add_calibration(min(samples, key=lambda sample: sample.seconds))
+                widest = max(s.num_decode_requests for s in samples)
+                self.rates.add_calibration(min((s for s in samples if s.num_decode_requests == widest),
+                                               key=lambda sample: sample.seconds))
         if not self.rates.calibrated:
             raise RuntimeError("vLLM reported no iteration details during calibration")
         await self.reset_prefix_cache()
@@ -371,6 +379,10 @@ class VllmEngine:
 
     async def _resync_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def _died(self) -> EngineDeadError:
+        self._fail("vLLM's engine died")
+        return EngineDeadError(self._failure)
 
     def _fail(self, reason: str) -> None:
         if self._failure is None:

@@ -40,13 +40,14 @@ class VllmPrefixIndex:
         self._copies: Counter[Hashable] = Counter()  # vLLM blocks stored under each vLLM hash
         self._holders: Counter[bytes] = Counter()  # running requests whose prompt covers each Tandem hash
         self._cached: set[bytes] = set()
+        self._num_held_cached = 0  # hashes in _cached that a running request holds
 
     def __len__(self) -> int:
         return len(self._cached)
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for block_hash in self._cached if not self._holders[block_hash])
+        return len(self._cached) - self._num_held_cached
 
     def store(self, parent: Hashable | None, vllm_hashes: Sequence[Hashable], token_ids: Sequence[int]) -> int:
         """Index blocks vLLM stored: a chain under ``parent`` (None: the prompt's start) holding ``token_ids``.
@@ -67,6 +68,7 @@ class VllmPrefixIndex:
             self._copies[vllm_hash] += 1
             if tandem_parent not in self._cached:
                 self._cached.add(tandem_parent)
+                self._num_held_cached += bool(self._holders[tandem_parent])
                 self.feeds.publish(tandem_parent, self._standing(tandem_parent))
         return len(vllm_hashes)
 
@@ -80,12 +82,14 @@ class VllmPrefixIndex:
             del self._copies[vllm_hash]
             block_hash = self._tandem_hash.pop(vllm_hash)
             self._cached.discard(block_hash)
+            self._num_held_cached -= bool(self._holders[block_hash])
             self.feeds.publish(block_hash, REMOVED)
 
     def clear(self) -> None:
         for block_hash in self._cached:
             self.feeds.publish(block_hash, REMOVED)
         self._cached.clear()
+        self._num_held_cached = 0
         self._tandem_hash.clear()
         self._copies.clear()
 
@@ -94,6 +98,7 @@ class VllmPrefixIndex:
         for block_hash in block_hashes:
             self._holders[block_hash] += 1
             if self._holders[block_hash] == 1 and block_hash in self._cached:
+                self._num_held_cached += 1
                 self.feeds.publish(block_hash, HELD)
 
     def release(self, block_hashes: Sequence[bytes]) -> None:
@@ -103,6 +108,7 @@ class VllmPrefixIndex:
             if self._holders[block_hash] == 0:
                 del self._holders[block_hash]
                 if block_hash in self._cached:
+                    self._num_held_cached -= 1
                     self.feeds.publish(block_hash, FREE)
 
     def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:

@@ -61,7 +61,7 @@ def test_a_running_requests_prompt_holds_its_blocks_until_it_ends():
     assert index.cached_prefix(tokens + [1]).evictable_tokens == 0 and index.num_cached_free_blocks == 0
     assert index.take_changes(feed) == (False, {h: HELD for h in hashes})
     index.release(hashes)
-    assert index.cached_prefix(tokens + [1]).evictable_tokens == 8
+    assert index.cached_prefix(tokens + [1]).evictable_tokens == 8 and index.num_cached_free_blocks == 2
     assert index.take_changes(feed) == (False, {h: FREE for h in hashes})
 
 
@@ -105,3 +105,14 @@ def test_a_feed_that_stops_reading_gets_the_whole_index_again():
     stored(index, list(range(12)))
     reset, listing = index.take_changes(feed)
     assert reset and len(listing) == 3
+
+
+def test_a_block_stored_while_a_running_prompt_covers_it_counts_as_held():
+    tokens = list(range(8))
+    index = VllmPrefixIndex(SIZE, feed_limit=100)
+    index.hold(index.prompt_hashes(tokens))
+    stored(index, tokens)
+    assert (len(index), index.num_cached_free_blocks) == (2, 0)
+    index.remove([1000, 1001])
+    index.release(index.prompt_hashes(tokens))
+    assert (len(index), index.num_cached_free_blocks) == (0, 0)
