@@ -3,6 +3,8 @@
 #
 #   docker build -t tandem:latest .                                        # CPU: torch's CPU wheel
 #   docker build --build-arg TORCH_VARIANT=cuda -t tandem-cuda:latest .    # CUDA: PyPI's Linux torch + nvidia-* wheels
+#   docker build --build-arg TORCH_VARIANT=cuda --build-arg EXTRAS=vllm -t tandem-vllm:latest .
+#                                                   # CUDA and vLLM's official wheel, for gpu_worker --engine vllm
 #
 # Build arguments, all optional (docker-compose.yml passes them from TANDEM_* variables, see .env):
 #   BASE_IMAGE     a Python 3.11 image; default python:3.11-slim. deploy/compose/base-image.sh makes
@@ -11,6 +13,8 @@
 #   TORCH_INDEX    an index offered to pip besides its own (PyPI) for torch alone: auto (default) is
 #                  PyTorch's CPU index for cpu and none for cuda; none; or any URL (e.g. .../whl/cu128).
 #                  Its builds (2.13.0+cpu, +cu128) sort above PyPI's plain 2.13.0, so pip takes them.
+#   EXTRAS         optional dependency groups of pyproject.toml to install too, comma-separated: vllm
+#                  (vLLM's engine, whose wheel pins the same torch); default none.
 #   WHEELS_ONLY    1: install from wheels/ only (pip --no-index), a build that reaches no package index.
 #
 # Two folders of the build context, both optional and git-ignored but for their README:
@@ -23,8 +27,11 @@ ARG BASE_IMAGE=python:3.11-slim
 # The runtime requirements read from pyproject.toml. The build stage copies the output files, so its
 # dependency layers are rebuilt only when the requirements themselves change.
 FROM ${BASE_IMAGE} AS requirements
+ARG EXTRAS=
 COPY pyproject.toml /tmp/pyproject.toml
-RUN python3 -c "import tomllib; deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
+RUN python3 -c "import tomllib; project = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+deps = project['dependencies']; \
+deps += [d for extra in filter(None, '$EXTRAS'.split(',')) for d in project['optional-dependencies'][extra]]; \
 torch = [d for d in deps if d.split('==')[0].strip() == 'torch']; assert len(torch) == 1, torch; \
 open('/tmp/torch.txt', 'w').write(torch[0] + chr(10)); \
 open('/tmp/requirements.txt', 'w').write(''.join(d + chr(10) for d in deps))"

@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup setup-vllm proto model test test-fast run bench-engine bench-worker bench-seed bench-matrix bench-router bench-weights bench-step bench-peers soak compose-test clean
+.PHONY: setup setup-vllm proto model test test-fast run bench-engine bench-worker bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -68,6 +68,16 @@ bench-matrix: setup
 
 bench-router: setup
 	$(PY) bench/router.py
+
+# The router over a Tandem cpu_worker and a vLLM-engine gpu_worker: finish_time against gpu_only tuned over
+# vLLM's max_num_seqs, live and simulated: bench/results/hybrid.json.
+bench-hybrid: setup setup-vllm
+	$(PY) bench/hybrid.py --vllm-python $(VLLM_PY)
+
+# A vLLM-engine worker behind Tandem's router against `vllm serve` alone, same model, settings and cores,
+# same client: added TTFT and kept throughput, bench/results/vllm-overhead.json.
+bench-vllm-overhead: setup setup-vllm
+	$(PY) bench/vllm_overhead.py --vllm-python $(VLLM_PY)
 
 # Each weight format's cost per decode step at 1 to 32 rows: bench/results/weights.json.
 bench-weights: setup

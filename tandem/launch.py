@@ -28,6 +28,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServiceProcess:
     """One service (``python -m <module> ...``) listening on ``host:port``, its output in ``log_path``.
 
+    The service leads its own process group, so that killing it also kills what it started (a vLLM
+    worker's engine-core processes).
+
     Args:
         module: the module to run, or None with ``command`` for any other launcher.
         args: flags after the module; ``--host`` and ``--port`` are added.
@@ -49,6 +52,7 @@ class ServiceProcess:
         self.process = subprocess.Popen(
             [*launcher, "--host", host, "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
         )
         self.channel = channel(self.address, tls)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -80,15 +84,25 @@ class ServiceProcess:
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+            self.kill()
+            return self.process.returncode
         finally:
             self.close()
 
-    def close(self) -> None:
-        if self.alive:
-            self.process.kill()
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL the service and every process of its group; wait up to ``timeout`` for the group to end."""
+        deadline = time.monotonic() + timeout
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+            while time.monotonic() < deadline:
+                os.killpg(self.process.pid, 0)
+                time.sleep(0.02)
+        except ProcessLookupError:
+            self.process.wait()
+
+    def close(self) -> None:
+        self.kill()
         self.channel.close()
         self._log.close()
 

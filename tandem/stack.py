@@ -50,10 +50,11 @@ class Stack:
 
 def start_stack(model: str | None, log_dir: Path, host: str = "127.0.0.1", router_port: int | None = None,
                 cpu_port: int | None = None, gpu_port: int | None = None, cpu_args: tuple[str, ...] = (),
-                gpu_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), http_port: int | None = None) -> Stack:
+                gpu_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), http_port: int | None = None,
+                gpu_python: str | None = None) -> Stack:
     """Start both workers and the router (not yet healthy), the router's HTTP API on ``http_port`` (default: a
     free port). Without CUDA, gpu_worker runs with ``--device cpu`` and the cores are split between the two
-    workers."""
+    workers. ``gpu_python`` runs gpu_worker from another environment (vLLM's, for ``--engine vllm``)."""
     import torch
 
     from tandem.worker.config import default_threads
@@ -74,7 +75,8 @@ def start_stack(model: str | None, log_dir: Path, host: str = "127.0.0.1", route
                                       [*model_args, "--threads", str(cpu_threads), *cpu_args],
                                       log_dir / "cpu_worker.log", host, cpu_port))
         started.append(ServiceProcess("gpu_worker", "gpu_worker", [*model_args, *device_args, *gpu_args],
-                                      log_dir / "gpu_worker.log", host, gpu_port))
+                                      log_dir / "gpu_worker.log", host, gpu_port,
+                                      command=[gpu_python, "-m", "gpu_worker"] if gpu_python else None))
         cpu, gpu = started
         http_port = http_port or free_port()
         # The HTTP port travels in the environment, so that the same command line also starts a router

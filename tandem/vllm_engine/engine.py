@@ -103,10 +103,13 @@ class VllmEngine:
     name = ENGINE_NAME
     version = vllm.__version__
 
-    def __init__(self, settings: VllmSettings, on_failure: Callable[[str], None] | None = None):
-        """Start vLLM (slow: loads the model and warms it up; call it off the event loop)."""
+    def __init__(self, settings: VllmSettings, on_failure: Callable[[str], None] | None = None,
+                 on_step: Callable[[int], None] | None = None):
+        """Start vLLM (slow: loads the model and warms it up; call it off the event loop). ``on_step`` gets the
+        number of requests of every step vLLM runs after calibration."""
         self.settings = settings
         self._on_failure = on_failure
+        self._on_step = on_step
         self._socket_dir = tempfile.TemporaryDirectory(prefix="tandem-vllm-")
         self._kv_endpoint = f"ipc://{self._socket_dir.name}/kv-events"
         self._kv_replay_endpoint = f"ipc://{self._socket_dir.name}/kv-replay"
@@ -374,6 +377,8 @@ class VllmEngine:
                 self._calibration_steps.append(sample)
             else:
                 self.rates.observe(sample)
+                if self._on_step is not None:
+                    self._on_step(details.num_ctx_requests + details.num_generation_requests)
         self._mark_running()
         self._bump()
 

@@ -99,7 +99,8 @@ def _load_tandem(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, 
         vocab_size=runner.vocab_size, eos_token_ids=tuple(sorted(runner.eos_token_ids)))
 
     async def start() -> OpenedEngine:
-        async_engine = AsyncEngine(engine, on_failure=on_failure, on_step=metrics.record_step,
+        async_engine = AsyncEngine(engine, on_failure=on_failure,
+                                   on_step=lambda output: metrics.record_step(len(output.scheduled)),
                                    priority=config.engine_priority)
         async_engine.start()
         return OpenedEngine(async_engine, identity, tokenizer, _rates_line(engine.rates.rates()))
@@ -112,6 +113,7 @@ def _load_vllm(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, on
 
     from tandem.engine.model.loader import eos_token_ids
     from tandem.vllm_engine.engine import VllmEngine, VllmSettings
+    from tandem.worker import metrics
 
     engine = VllmEngine(VllmSettings(
         model_dir=model_dir, device=config.device, dtype=config.dtype,
@@ -120,7 +122,7 @@ def _load_vllm(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, on
         max_waiting_requests=config.scheduler.max_waiting_requests, block_size=config.scheduler.block_size,
         kv_cache_bytes=config.cache.kv_cache_bytes, num_kv_blocks=config.cache.num_kv_blocks,
         cpu_threads=config.threads, extra_args=config.vllm_args,
-    ), on_failure=on_failure)
+    ), on_failure=on_failure, on_step=metrics.record_step)
     eos = eos_token_ids(AutoConfig.from_pretrained(model_dir), model_dir)
     identity = WorkerIdentity(
         **facts, engine=engine.name, engine_version=engine.version, dtype=engine.dtype,

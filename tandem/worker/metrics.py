@@ -9,7 +9,6 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.engine.engine import EngineState, RequestOutput
-from tandem.engine.scheduler import SchedulerOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
@@ -45,9 +44,9 @@ def record_finished(output: RequestOutput) -> None:
             TPOT.observe((stats.total_time_s - stats.ttft_s) / (stats.num_output_tokens - 1))
 
 
-def record_step(output: SchedulerOutput) -> None:
-    """Observe an executed engine step (the engine thread calls this once per step)."""
-    STEP_BATCH_SIZE.observe(len(output.scheduled))
+def record_step(batch_size: int) -> None:
+    """Observe an executed engine step of ``batch_size`` requests (either engine calls this once per step)."""
+    STEP_BATCH_SIZE.observe(batch_size)
 
 
 def rpc_status_recorder(method: str) -> Callable[[grpc.StatusCode], None]:

@@ -15,7 +15,8 @@ import pytest
 from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tests.integration.engines import BLOCK_SIZE, ENGINES, engine_worker, running_engine_worker
-from tests.integration.workers import NOT_SERVING, SERVING, wait_until
+from tandem.launch import free_port
+from tests.integration.workers import NOT_SERVING, SERVING, alive, descendants, scrape_metrics, wait_until
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -23,9 +24,13 @@ GREEDY = common_pb2.SamplingParams(temperature=0)
 @pytest.fixture(scope="module", params=ENGINES)
 def worker(request, tiny_llama_64, tmp_path_factory):
     log = tmp_path_factory.mktemp(f"worker-{request.param}") / "worker.log"
-    with running_engine_worker(request.param, tiny_llama_64, log, "--max-active", "4") as process:
+    with running_engine_worker(request.param, tiny_llama_64, log, "--max-active", "4",
+                               "--metrics-port", str(free_port())) as process:
         process.engine = request.param
         yield process
+        started = descendants(process.process.pid)
+        assert started or request.param == "tandem", "vLLM runs its engine core in processes of its own"
+    wait_until(lambda: not [pid for pid in started if alive(pid)])  # SIGKILL for the worker's whole group
 
 
 def ids(values) -> worker_pb2.TokenIds:
@@ -209,6 +214,53 @@ def test_the_queue_and_budgets_are_reported_per_request(worker):
     idle(worker)
 
 
+def settled_metrics(worker) -> dict:
+    """The worker's metrics once a step that earlier tests ran is no longer being recorded."""
+    idle(worker)
+    def unchanged():
+        first = scrape_metrics(worker)
+        time.sleep(0.3)
+        return first if scrape_metrics(worker) == first else None
+    return wait_until(unchanged)
+
+
+def test_metrics_parse_and_move_after_requests(worker):
+    before = settled_metrics(worker)
+    for i in range(3):
+        generate(worker, prompt_token_ids=ids([7, 8, 9, i]), max_new_tokens=4, sampling=GREEDY, ignore_eos=True)
+    with pytest.raises(grpc.RpcError):
+        generate(worker, prompt_token_ids=ids([]), max_new_tokens=4)
+    steps = ("tandem_worker_step_batch_size_count", ())
+
+    def every_step_recorded():  # a step is recorded just after its tokens go out, so the last may lag the reply
+        metrics = scrape_metrics(worker)
+        return metrics if metrics.get(steps, 0.0) - before.get(steps, 0.0) >= 12 else None
+
+    after = wait_until(every_step_recorded, timeout=10)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("tandem_worker_requests_finished_total", finish_reason="length") == 3
+    assert delta("tandem_worker_time_to_first_token_seconds_count") == 3
+    assert delta("tandem_worker_e2e_request_latency_seconds_count") == 3
+    assert delta("tandem_worker_time_per_output_token_seconds_count") == 3
+    assert delta("tandem_worker_rpcs_total", method="Generate", code="OK") == 3
+    assert delta("tandem_worker_rpcs_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert delta("tandem_worker_prefix_cache_queried_tokens_total") == 12
+    # Each request ran alone: one prefill step that samples the first token, then three decode steps.
+    assert delta("tandem_worker_output_tokens_count") == 3 and delta("tandem_worker_output_tokens_sum") == 12
+    assert delta("tandem_worker_output_tokens_bucket", le="4.0") == 3
+    assert delta("tandem_worker_output_tokens_bucket", le="1.0") == 0
+    assert delta("tandem_worker_step_batch_size_count") == 12 and delta("tandem_worker_step_batch_size_sum") == 12
+    assert delta("tandem_worker_step_batch_size_bucket", le="1.0") == 12
+    assert after[("tandem_worker_requests_running", ())] == 0
+    blocks = sum(after[("tandem_worker_kv_blocks", (("state", s),))] for s in ("used", "cached", "free"))
+    assert blocks == estimate(worker).kv_blocks_total
+    assert after[("tandem_worker_decode_tokens_per_second", ())] > 0
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llama_64, tmp_path):
     process = engine_worker(engine, tiny_llama_64, tmp_path / "worker.log")
@@ -218,6 +270,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llam
                                                                   max_new_tokens=200, sampling=GREEDY,
                                                                   ignore_eos=True), timeout=120)
         received = list(next(stream).token_ids)
+        started = descendants(process.process.pid)
         process.process.send_signal(15)
         process.wait_for_health(NOT_SERVING, timeout=10)
         with pytest.raises(grpc.RpcError) as info:
@@ -227,5 +280,6 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llam
         assert len(received) + len(tokens_of(responses)) == 200
         assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert process.process.wait(60) == 0
+        assert not [pid for pid in started if alive(pid)], "the worker exited, but processes it started did not"
     finally:
         process.close()

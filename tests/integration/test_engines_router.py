@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import Counter
@@ -10,8 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
-from tests.integration.engines import running_engine_worker
-from tests.integration.workers import SERVING, RouterProcess
+from tests.engine.helpers import hf_greedy
+from tests.integration.engines import BLOCK_SIZE, running_engine_worker
+from tests.integration.test_reliability import assert_no_leaks
+from tests.integration.workers import (HARNESS, SERVING, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
+                                      stalled, wait_until, worker_load)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -73,3 +77,82 @@ def test_list_backends_names_each_workers_engine(mixed_stack):
     backends = {b.name: b for b in mixed_stack.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends}
     assert (backends["cpu"].state.engine, backends["gpu"].state.engine) == ("tandem", "vllm")
 
+
+
+@pytest.fixture(scope="module")
+def replacing_stack(tiny_llama_64, tmp_path_factory):
+    """A Tandem worker (50 ms steps) and a vLLM worker, one request at a time each, behind a router that checks
+    every 0.2 s whether a waiting request would finish sooner elsewhere: (router, workers)."""
+    logs = tmp_path_factory.mktemp("replacing")
+    tandem = WorkerProcess(tiny_llama_64, logs / "cpu.log", "--block-size", str(BLOCK_SIZE), "--max-active", "1",
+                           launcher=HARNESS, env={"HARNESS_STEP_DELAY_S": "0.05"})
+    with healthy(tandem) as cpu, running_engine_worker("vllm", tiny_llama_64, logs / "gpu.log", "--max-active", "1",
+                                                       kind="gpu") as gpu:
+        router = RouterProcess(tiny_llama_64, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"],
+                               "--replace-interval-s", "0.2")
+        try:
+            router.wait_for_health(SERVING)
+            router.wait_for_backends({"cpu", "gpu"})
+            yield router, {"cpu": cpu, "gpu": gpu}
+            assert router.alive, router.log()
+        finally:
+            router.close()
+
+
+def request_ids(worker) -> set[str]:
+    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
+    state = next(call)
+    call.cancel()
+    return {load.request_id for load in state.requests}
+
+
+def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str, free_target) -> None:
+    """Route a request that must first wait on ``source``; ``free_target()`` then frees the target. The request
+    moves there once and completes there, token for token."""
+    prompt = list(range(40, 70))
+    stream = router.stub.Generate(route(prompt, max_new_tokens=8, request_id=request_id), timeout=120)
+    assert next(stream).decision.chosen_worker == source
+    free_target()
+    responses = list(stream)
+    decisions = [r.decision for r in responses if r.HasField("decision")]
+    assert [(d.chosen_worker, list(d.moved_from)) for d in decisions] == [(target, [source])]
+    token_responses = [r for r in responses if r.token_ids]
+    assert [t for r in token_responses for t in r.token_ids] == hf_greedy(tiny_llama_64, prompt, 8)
+    assert {r.worker for r in token_responses} == {target}
+    assert responses[-1].result.usage.output_tokens == 8
+
+
+# vLLM decodes the tiny model at about 1 ms a token, faster than any blocker could last, so its engine core is
+# stalled (SIGSTOP) for as long as its queue must stand still.
+
+def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
+    router, workers = replacing_stack
+    tandem_blocker = occupy(workers["cpu"], "tandem-blocker", 400)  # 20 s
+    vllm_blocker = occupy(workers["gpu"], "vllm-blocker", 900)
+    wait_until(lambda: worker_load(workers["gpu"]) == (1, 0))
+    with stalled(workers["gpu"]):
+        wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
+        moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
+        assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
+    vllm_blocker.cancel()
+    assert_no_leaks(router, workers)
+
+
+def test_a_request_waiting_on_the_tandem_worker_moves_to_the_freed_vllm_worker(replacing_stack, tiny_llama_64):
+    router, workers = replacing_stack
+    tandem_blocker = occupy(workers["cpu"], "tandem-blocker", 100)  # 5 s
+    with contextlib.ExitStack() as stall:
+        stall.enter_context(stalled(workers["gpu"]))
+        vllm_blockers = [occupy(workers["gpu"], f"vllm-blocker-{i}", 900) for i in range(12)]
+        wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (0, 12)}, 30)
+
+        def free_vllm():
+            for call in vllm_blockers:
+                call.cancel()
+            wait_until(lambda: not request_ids(workers["gpu"]))
+            stall.close()
+
+        moved_once(router, tiny_llama_64, "to-vllm", "cpu", "gpu", free_vllm)
+    assert "to-vllm" not in request_ids(workers["cpu"])  # withdrawn: aborted in Tandem's engine
+    tandem_blocker.cancel()
+    assert_no_leaks(router, workers)

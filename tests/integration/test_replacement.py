@@ -9,47 +9,17 @@ import json
 import threading
 import time
 
-import grpc
 import pytest
 
 from tandem.launch import free_port
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tests.integration.test_reliability import assert_no_leaks
-from tests.integration.workers import HARNESS, SERVING, RouterProcess, WorkerProcess, scrape_metrics, wait_until
+from tests.integration.workers import (HARNESS, SERVING, RouterProcess, WorkerProcess, drained, occupy, scrape_metrics,
+                                      seen_by_router, wait_until, worker_load)
 
 pytestmark = pytest.mark.slow
 GREEDY = common_pb2.SamplingParams(temperature=0.0)
-
-
-def _occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int):
-    """A long generation sent to the worker directly (the router does not know it); returns its call."""
-    call = worker.stub.Generate(worker_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=list(range(200, 220))),
-        max_new_tokens=max_new_tokens, ignore_eos=True, sampling=GREEDY), timeout=120)
-    threading.Thread(target=lambda: [None for _ in _drained(call)], daemon=True).start()
-    return call
-
-
-def _drained(call):
-    try:
-        yield from call
-    except grpc.RpcError:
-        return
-
-
-def _load(worker: WorkerProcess) -> tuple[int, int]:
-    """(running, waiting) requests on the worker, from its state snapshot (asking no Estimate)."""
-    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
-    state = next(call)
-    call.cancel()
-    return state.num_running, state.num_waiting
-
-
-def _seen_by_router(router: RouterProcess) -> dict[str, tuple[int, int]]:
-    """(running, waiting) requests on each worker as the router's latest snapshots show them."""
-    backends = router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends
-    return {b.name: (b.state.num_running, b.state.num_waiting) for b in backends}
 
 
 @contextlib.contextmanager
@@ -77,9 +47,9 @@ def _two_workers_behind_a_router(model_dir, tmp_path, metrics: str):
 
 def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(tiny_llama, tmp_path):
     with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="router") as (router, workers):
-        blocker_a = _occupy(workers["a"], "blocker-a", 200)
-        blocker_b = _occupy(workers["b"], "blocker-b", 400)
-        wait_until(lambda: _seen_by_router(router) == {"a": (1, 0), "b": (1, 0)}, 30)
+        blocker_a = occupy(workers["a"], "blocker-a", 200)
+        blocker_b = occupy(workers["b"], "blocker-b", 400)
+        wait_until(lambda: seen_by_router(router) == {"a": (1, 0), "b": (1, 0)}, 30)
 
         prompt = list(range(40, 70))
         stream = router.stub.Generate(router_pb2.RouteRequest(
@@ -104,7 +74,7 @@ def test_a_waiting_request_moves_to_a_worker_that_frees_up_and_completes_once(ti
         counted = scrape_metrics(router)
         assert counted[("tandem_router_moves_total", (("cause", moves[0]["cause"]), ("from_worker", "a"),
                                                       ("to_worker", "b")))] == 1
-        assert _load(workers["a"]) == (1, 0)  # only its blocker: the withdrawn request was cancelled there
+        assert worker_load(workers["a"]) == (1, 0)  # only its blocker: the withdrawn request was cancelled there
         blocker_a.cancel()
         assert_no_leaks(router, workers)
 
@@ -117,20 +87,20 @@ def test_neither_routing_nor_the_check_asks_the_workers_however_many_requests_wa
     """Both read the workers' prefix indexes and snapshots from WatchState; no Estimate reaches a worker."""
     with _two_workers_behind_a_router(tiny_llama, tmp_path, metrics="workers") as (router, workers):
         streams = []
-        blockers = [_occupy(worker, f"blocker-{name}", 400) for name, worker in workers.items()]
-        wait_until(lambda: _seen_by_router(router) == {"a": (1, 0), "b": (1, 0)}, 30)
+        blockers = [occupy(worker, f"blocker-{name}", 400) for name, worker in workers.items()]
+        wait_until(lambda: seen_by_router(router) == {"a": (1, 0), "b": (1, 0)}, 30)
         before = {name: _estimates(worker) for name, worker in workers.items()}
         for index in range(6):
             stream = router.stub.Generate(router_pb2.RouteRequest(
                 request_id=f"waiting-{index}", prompt_token_ids=worker_pb2.TokenIds(ids=list(range(40 + index, 70))),
                 max_new_tokens=4, ignore_eos=True, sampling=GREEDY), timeout=120)
             assert {s.state_source for s in next(stream).decision.scores} == {"index"}
-            threading.Thread(target=lambda call=stream: [None for _ in _drained(call)], daemon=True).start()
+            threading.Thread(target=lambda call=stream: [None for _ in drained(call)], daemon=True).start()
             streams.append(stream)
-        wait_until(lambda: sum(_load(worker)[1] for worker in workers.values()) == 6, 30)
+        wait_until(lambda: sum(worker_load(worker)[1] for worker in workers.values()) == 6, 30)
         time.sleep(2.0)  # about 10 rounds of 0.2 s
         assert {name: _estimates(worker) - before[name] for name, worker in workers.items()} == {"a": 0, "b": 0}
-        assert sum(_load(worker)[1] for worker in workers.values()) == 6  # still waiting, none lost
+        assert sum(worker_load(worker)[1] for worker in workers.values()) == 6  # still waiting, none lost
         for call in (*streams, *blockers):
             call.cancel()
         assert_no_leaks(router, workers)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import grpc
 
 from tandem.launch import NOT_SERVING, SERVING, ServiceProcess  # noqa: F401  (re-exported for the tests)
 from tandem.security import ClientTLS
-from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.device import TEST_DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +79,74 @@ class RouterProcess(ServiceProcess):
                 pass
             time.sleep(0.05)
         raise AssertionError(f"router did not see {healthy} healthy within {timeout} s:\n{self.log()}")
+
+
+def occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int):
+    """A long generation sent to the worker directly (the router does not know it); returns its call."""
+    call = worker.stub.Generate(worker_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=list(range(200, 220))),
+        max_new_tokens=max_new_tokens, ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=120)
+    threading.Thread(target=lambda: [None for _ in drained(call)], daemon=True).start()
+    return call
+
+
+def drained(call):
+    try:
+        yield from call
+    except grpc.RpcError:
+        return
+
+
+def worker_load(worker: WorkerProcess) -> tuple[int, int]:
+    """(running, waiting) requests on the worker, from its state snapshot (asking no Estimate)."""
+    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
+    state = next(call)
+    call.cancel()
+    return state.num_running, state.num_waiting
+
+
+def seen_by_router(router: RouterProcess) -> dict[str, tuple[int, int]]:
+    """(running, waiting) requests on each worker as the router's latest snapshots show them."""
+    backends = router.stub.ListBackends(router_pb2.ListBackendsRequest(), timeout=5).backends
+    return {b.name: (b.state.num_running, b.state.num_waiting) for b in backends}
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid``."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+    below, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        below += children
+        frontier = children
+    return below
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def stalled(worker: WorkerProcess):
+    """The worker's child processes (a vLLM worker's engine core) stopped for the block: its steps stall while the
+    worker itself still answers, as a busy accelerator would leave it."""
+    children = descendants(worker.process.pid)
+    for pid in children:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGCONT)
 
 
 def scrape_metrics(process: ServiceProcess) -> dict[tuple[str, tuple], float]:

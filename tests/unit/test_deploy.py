@@ -50,10 +50,11 @@ def test_compose_file_matches_the_compose_spec():
 
 
 def test_the_stack_has_every_service():
-    assert {"router", "cpu-worker", "gpu-worker", "gpu-worker-cpu", "otel-collector", "jaeger", "prometheus",
-            "grafana"} <= set(SERVICES)
-    reservation = SERVICES["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert reservation["driver"] == "nvidia" and "gpu" in reservation["capabilities"]
+    assert {"router", "cpu-worker", "gpu-worker", "gpu-worker-cpu", "gpu-worker-vllm", "otel-collector", "jaeger",
+            "prometheus", "grafana"} <= set(SERVICES)
+    for name in ("gpu-worker", "gpu-worker-vllm"):
+        reservation = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"][0]
+        assert reservation["driver"] == "nvidia" and "gpu" in reservation["capabilities"], name
     assert SERVICES["gpu-worker-cpu"]["command"][-2:] == ["--device", "cpu"]
     assert "127.0.0.1:16686:16686" in SERVICES["jaeger"]["ports"]
 
@@ -154,7 +155,7 @@ def _dockerfile_args() -> set[str]:
     return set(re.findall(r"^ARG ([A-Z_]+)", DOCKERFILE, re.M))
 
 
-def test_two_images_from_one_dockerfile_with_the_cuda_build_for_gpu_worker():
+def test_three_images_from_one_dockerfile_with_the_cuda_builds_for_the_gpu_workers():
     images = {}
     for name, service in TANDEM_SERVICES.items():
         build = service["build"]
@@ -162,10 +163,22 @@ def test_two_images_from_one_dockerfile_with_the_cuda_build_for_gpu_worker():
         images[name] = (service["image"], build["args"]["TORCH_VARIANT"])
         assert set(build["args"]) <= _dockerfile_args(), f"{name} passes build args the Dockerfile lacks"
     assert images.pop("gpu-worker") == ("tandem-cuda:latest", "cuda")
+    assert images.pop("gpu-worker-vllm") == ("tandem-vllm:latest", "cuda")
     assert set(images.values()) == {("tandem:latest", "cpu")}  # the router, cpu-worker and gpu-worker-cpu
     assert re.search(r"^ARG TORCH_VARIANT=cpu$", DOCKERFILE, re.M)  # plain `docker build .` is the CPU image
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", DOCKERFILE, re.M)
     assert re.findall(r"^FROM (\S+)", DOCKERFILE, re.M) == ["${BASE_IMAGE}"] * 3
+
+
+def test_the_vllm_image_installs_the_vllm_extra_and_its_worker_runs_the_vllm_engine():
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    service = SERVICES["gpu-worker-vllm"]
+    assert service["build"]["args"]["EXTRAS"] == "vllm" and any(d.startswith("vllm==") for d in extras["vllm"])
+    assert re.search(r"^ARG EXTRAS=$", DOCKERFILE, re.M)  # no extra unless asked for
+    assert service["environment"]["TANDEM_ENGINE"] == "vllm"
+    assert "gpu-worker" in service["networks"]["default"]["aliases"]  # where the router and Prometheus look
 
 
 def test_the_build_context_holds_what_the_dockerfile_copies():

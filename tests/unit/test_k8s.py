@@ -19,7 +19,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 GRAFANA = REPO / "deploy" / "grafana"
-OVERLAYS = ("cpu-only", "gpu")
+OVERLAYS = ("cpu-only", "gpu", "gpu-vllm")
+GPU_IMAGES = {"gpu": "tandem-cuda:latest", "gpu-vllm": "tandem-vllm:latest"}
 KUBERNETES_VERSION = "1.32"
 KUBECTL = shutil.which("kubectl")
 ALLOWED_OTEL = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME"}
@@ -186,14 +187,16 @@ def test_every_object_matches_the_kubernetes_schema(objects):
 @needs_kubectl
 def test_the_overlays_deploy_the_router_and_their_workers(objects, overlay):
     deployments = of_kind(objects, "Deployment")
-    expected = {"cpu-only": {"router", "cpu-worker"}, "gpu": {"router", "cpu-worker", "gpu-worker"}}[overlay]
+    expected = {"router", "cpu-worker", "gpu-worker"} if overlay in GPU_IMAGES else {"router", "cpu-worker"}
     assert set(deployments) == expected
     assert set(of_kind(objects, "ScaledObject")) == set(of_kind(objects, "PodDisruptionBudget")) == expected - {"router"}
     gpus = {name: containers(d)[0]["resources"].get("limits", {}).get("nvidia.com/gpu") for name, d in deployments.items()}
-    assert {name for name, count in gpus.items() if count} == ({"gpu-worker"} if overlay == "gpu" else set())
-    if overlay == "gpu":
+    assert {name for name, count in gpus.items() if count} == ({"gpu-worker"} if overlay in GPU_IMAGES else set())
+    if overlay in GPU_IMAGES:
         assert int(gpus["gpu-worker"]) == 1
-        assert containers(deployments["gpu-worker"])[0]["image"] == "tandem-cuda:latest"
+        (gpu_worker,) = containers(deployments["gpu-worker"])
+        assert gpu_worker["image"] == GPU_IMAGES[overlay]
+        assert environment(gpu_worker).get("TANDEM_ENGINE", "tandem") == ("vllm" if overlay == "gpu-vllm" else "tandem")
     for name in ("router", "cpu-worker"):
         assert containers(deployments[name])[0]["image"] == "tandem:latest", name
     namespaces = {obj["metadata"].get("namespace") for obj in objects if obj["kind"] != "Namespace"}
