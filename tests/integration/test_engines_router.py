@@ -14,8 +14,8 @@ from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tests.integration.engines import BLOCK_SIZE, running_engine_worker
 from tests.integration.test_reliability import assert_no_leaks
-from tests.integration.workers import (HARNESS, SERVING, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
-                                      stalled, wait_until, worker_load)
+from tests.integration.workers import (HARNESS, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
+                                      serving_router, stalled, wait_until, worker_load)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -32,13 +32,8 @@ def mixed_stack(tiny_llama_64, tmp_path_factory):
     with running_engine_worker("tandem", tiny_llama_64, logs / "cpu.log", "--max-active", "1") as cpu, \
             running_engine_worker("vllm", tiny_llama_64, logs / "gpu.log", kind="gpu") as gpu:
         router = RouterProcess(tiny_llama_64, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"])
-        try:
-            router.wait_for_health(SERVING)
-            router.wait_for_backends({"cpu", "gpu"})
+        with serving_router(router, {"cpu", "gpu"}):
             yield router
-            assert router.alive, router.log()
-        finally:
-            router.close()
 
 
 def test_the_routers_lookup_in_a_vllm_workers_index_matches_vllms_own_cache_hits(mixed_stack):
@@ -90,13 +85,8 @@ def replacing_stack(tiny_llama_64, tmp_path_factory):
                                                        kind="gpu") as gpu:
         router = RouterProcess(tiny_llama_64, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"],
                                "--replace-interval-s", "0.2")
-        try:
-            router.wait_for_health(SERVING)
-            router.wait_for_backends({"cpu", "gpu"})
+        with serving_router(router, {"cpu", "gpu"}):
             yield router, {"cpu": cpu, "gpu": gpu}
-            assert router.alive, router.log()
-        finally:
-            router.close()
 
 
 def request_ids(worker) -> set[str]:

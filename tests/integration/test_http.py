@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tandem.launch import free_port
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (
-    HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics,
+    HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, serving_router,
 )
 
 ALIAS = "tandem-tiny"
@@ -34,13 +34,8 @@ def stack(tiny_llama, tmp_path_factory):
             running_worker(tiny_llama, logs / "gpu.log", module_kind="gpu") as gpu:
         router, url = http_router(tiny_llama, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"],
                                   "--served-model-name", ALIAS, "--metrics-port", str(free_port()))
-        try:
-            router.wait_for_health(SERVING)
-            router.wait_for_backends({"cpu", "gpu"})
+        with serving_router(router, {"cpu", "gpu"}):
             yield router, url, {"cpu": cpu, "gpu": gpu}
-            assert router.alive, router.log()
-        finally:
-            router.close()
 
 
 @pytest.fixture(scope="module")

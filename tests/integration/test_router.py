@@ -13,7 +13,7 @@ from tests.device import TEST_DEVICE
 from tests.engine.helpers import hf_greedy
 from tandem.launch import free_port
 from tests.integration.workers import (
-    HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, wait_until,
+    HARNESS, NOT_SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, serving_router, wait_until,
 )
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
@@ -35,13 +35,8 @@ def stack(tiny_llama, tmp_path_factory):
             running_worker(tiny_llama, logs / "gpu.log", module_kind="gpu") as gpu:
         router = RouterProcess(tiny_llama, logs / "router.log", [f"cpu=cpu@{cpu.address}", f"gpu=gpu@{gpu.address}"],
                                "--metrics-port", str(free_port()))
-        try:
-            router.wait_for_health(SERVING)
-            router.wait_for_backends({"cpu", "gpu"})
+        with serving_router(router, {"cpu", "gpu"}):
             yield router, {"cpu": cpu, "gpu": gpu}
-            assert router.alive, router.log()
-        finally:
-            router.close()
 
 
 def test_generate_sends_the_decision_then_the_tokens(stack, tiny_llama):

@@ -81,6 +81,19 @@ class RouterProcess(ServiceProcess):
         raise AssertionError(f"router did not see {healthy} healthy within {timeout} s:\n{self.log()}")
 
 
+@contextlib.contextmanager
+def serving_router(router: RouterProcess, names: set[str]):
+    """``router`` once it serves and sees every worker of ``names`` healthy, for the duration of the block; fails
+    the block if it died meanwhile."""
+    try:
+        router.wait_for_health(SERVING)
+        router.wait_for_backends(names)
+        yield router
+        assert router.alive, router.log()
+    finally:
+        router.close()
+
+
 def occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int):
     """A long generation sent to the worker directly (the router does not know it); returns its call."""
     call = worker.stub.Generate(worker_pb2.GenerateRequest(
