@@ -280,6 +280,6 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llam
         assert len(received) + len(tokens_of(responses)) == 200
         assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert process.process.wait(60) == 0
-        assert not [pid for pid in started if alive(pid)], "the worker exited, but processes it started did not"
+        wait_until(lambda: not [pid for pid in started if alive(pid)], timeout=10)  # vLLM kills its engine core last
     finally:
         process.close()
