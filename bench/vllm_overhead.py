@@ -100,7 +100,7 @@ def summarize(runs: list[dict]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", required=True, help="the Python of vLLM's environment (make setup-vllm)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="cores for vLLM (the last ones of this machine)")
     parser.add_argument("--output", type=Path, default=RESULTS / "vllm-overhead.json")
     args = parser.parse_args()

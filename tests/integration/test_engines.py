@@ -16,7 +16,8 @@ from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tests.integration.engines import BLOCK_SIZE, ENGINES, engine_worker, running_engine_worker
 from tandem.launch import free_port
-from tests.integration.workers import NOT_SERVING, SERVING, alive, descendants, scrape_metrics, wait_until
+from tests.integration.workers import (NOT_SERVING, SERVING, alive, descendants, scrape_metrics, stalled,
+                                      wait_until)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -121,7 +122,7 @@ def test_cancel_mid_stream_frees_everything(worker):
 
 
 def test_a_deadline_aborts_the_request_in_the_engine(worker):
-    with pytest.raises(grpc.RpcError) as info:
+    with stalled(worker), pytest.raises(grpc.RpcError) as info:  # else vLLM may decode the 900 tokens within 0.3 s
         generate(worker, timeout=0.3, prompt_token_ids=ids(list(range(50))), max_new_tokens=900, sampling=GREEDY,
                  ignore_eos=True)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -185,13 +186,14 @@ def test_invalid_input_gets_the_same_status_and_field_on_both_engines(worker, fi
 
 
 def test_a_request_id_in_flight_cannot_be_reused(worker):
-    call = worker.stub.Generate(worker_pb2.GenerateRequest(request_id="twice", prompt_token_ids=ids(list(range(30))),
-                                                           max_new_tokens=500, ignore_eos=True), timeout=60)
-    next(call)
-    with pytest.raises(grpc.RpcError) as info:
-        generate(worker, request_id="twice", prompt_token_ids=ids([1, 2]), max_new_tokens=2)
+    with stalled(worker):  # "twice" stays in flight however fast the engine would finish it
+        call = worker.stub.Generate(worker_pb2.GenerateRequest(request_id="twice", prompt_token_ids=ids(list(range(30))),
+                                                               max_new_tokens=500, ignore_eos=True), timeout=60)
+        wait_until(lambda: [r.request_id for r in estimate(worker).requests] == ["twice"])
+        with pytest.raises(grpc.RpcError) as info:
+            generate(worker, request_id="twice", prompt_token_ids=ids([1, 2]), max_new_tokens=2)
+        call.cancel()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("request_id:")
-    call.cancel()
     idle(worker)
 
 
@@ -267,7 +269,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llam
     try:
         process.wait_for_health(SERVING)
         stream = process.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(20))),
-                                                                  max_new_tokens=200, sampling=GREEDY,
+                                                                  max_new_tokens=900, sampling=GREEDY,
                                                                   ignore_eos=True), timeout=120)
         received = list(next(stream).token_ids)
         started = descendants(process.process.pid)
@@ -277,7 +279,7 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llam
             generate(process, prompt_token_ids=ids([1, 2]), max_new_tokens=2, timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
         responses = list(stream)
-        assert len(received) + len(tokens_of(responses)) == 200
+        assert len(received) + len(tokens_of(responses)) == 900
         assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert process.process.wait(60) == 0
         wait_until(lambda: not [pid for pid in started if alive(pid)], timeout=10)  # vLLM kills its engine core last

@@ -13,7 +13,8 @@ from tests.device import TEST_DEVICE
 from tests.engine.helpers import hf_greedy
 from tandem.launch import free_port
 from tests.integration.workers import (
-    HARNESS, NOT_SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, serving_router, wait_until,
+    HARNESS, NOT_SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, seen_by_router,
+    serving_router, wait_until,
 )
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
@@ -151,6 +152,7 @@ def test_each_decision_of_a_burst_counts_every_request_routed_before_it_once(sta
     """A request the router sent counts, as in-flight credit, until the worker reports it, and then
     as reported: never twice, never not at all. So a simultaneous burst spreads evenly by load."""
     router, workers = stack
+    wait_until(lambda: set(seen_by_router(router).values()) == {(0, 0)})  # the earlier tests' requests are gone
     calls = [router.stub.Generate(route([300 + i] * 24, 900, policy="least_loaded"), timeout=60) for i in range(8)]
     try:
         with ThreadPoolExecutor(8) as pool:
