@@ -234,9 +234,12 @@ def test_metrics_parse_and_move_after_requests(worker):
         generate(worker, prompt_token_ids=ids([]), max_new_tokens=4)
     steps = ("tandem_worker_step_batch_size_count", ())
 
-    def every_step_recorded():  # a step is recorded just after its tokens go out, so the last may lag the reply
+    refused = ("tandem_worker_rpcs_total", (("code", "INVALID_ARGUMENT"), ("method", "Generate")))
+
+    def every_step_recorded():  # a step, and an RPC's status, are recorded just after the reply goes out
         metrics = scrape_metrics(worker)
-        return metrics if metrics.get(steps, 0.0) - before.get(steps, 0.0) >= 12 else None
+        moved = metrics.get(steps, 0.0) - before.get(steps, 0.0) >= 12 and metrics.get(refused, 0.0) > before.get(refused, 0.0)
+        return metrics if moved else None
 
     after = wait_until(every_step_recorded, timeout=10)
 
