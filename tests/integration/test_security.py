@@ -158,7 +158,7 @@ def test_the_http_api_serves_tls_with_the_same_tokens(secured_stack, certs):
 
     router, _ = secured_stack
     url = f"https://127.0.0.1:{router.args[router.args.index('--http-port') + 1]}"
-    body = {"prompt": [20, 21, 22], "max_tokens": 3}
+    body = {"prompt": [20, 21, 22], "max_tokens": 3, "ignore_eos": True}
     with httpx.Client(verify=ssl.create_default_context(cafile=certs.ca)) as client:
         assert client.get(f"{url}/health").status_code == 200  # health needs no token
         refused = client.get(f"{url}/v1/models", headers={"Authorization": "Bearer gamma-token"})
