@@ -85,6 +85,7 @@ RUN touch README.md
 COPY protos protos
 COPY tandem tandem
 COPY router_svc router_svc
+COPY simulator simulator
 COPY cpu_worker cpu_worker
 COPY gpu_worker gpu_worker
 RUN . /build/env \

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.results import percentile
+from tandem.loadgen.results import percentile
 from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES, SchedulerConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
-from tandem.engine.model.loader import resolve_model
+from tandem.model_files import resolve_model
 from tandem.engine.model.runner import DTYPES, resolve_dtype
-from tandem.engine.request import Request, SamplingParams
+from tandem.engine.request import Request
+from tandem.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from router_svc.sim.profiles import fetch_worker_profiles
-from router_svc.sim.simulator import simulate
-from tandem.bench.live import router_workers, run_workload, wait_for_healthy_backends, warm, worker_vocab_size, write_run
-from tandem.bench.results import write_json
-from tandem.bench.workloads import Workload, poisson, seed_burst
+from simulator.profiles import fetch_worker_profiles
+from simulator.simulator import simulate
+from tandem.loadgen.live import router_workers, run_workload, wait_for_healthy_backends, warm, worker_vocab_size, write_run
+from tandem.loadgen.results import write_json
+from tandem.loadgen.workloads import Workload, poisson, seed_burst
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_NUM_SEQS = (4, 8, 16, 32)
@@ -112,7 +112,7 @@ def main() -> int:
 
     import torch
 
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
     from tandem.stack import start_stack
 
     model = str(resolve_model(args.model))

@@ -20,10 +20,10 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from router_svc.policy import DEFAULT_POLICY
-from router_svc.sim.profiles import seed_m2
-from router_svc.sim.simulator import simulate
-from tandem.bench.workloads import long_context, poisson, seed_burst
+from router_svc.policies import DEFAULT_POLICY
+from simulator.profiles import seed_m2
+from simulator.simulator import simulate
+from tandem.loadgen.workloads import long_context, poisson, seed_burst
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 32000

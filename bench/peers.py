@@ -103,7 +103,8 @@ def run_tandem(job: dict, precision: str) -> dict:
     from tandem.engine.async_engine import AsyncEngine
     from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, SchedulerConfig
     from tandem.engine.model.factory import build_engine
-    from tandem.engine.request import Request, SamplingParams
+    from tandem.engine.request import Request
+    from tandem.sampling import SamplingParams
 
     bench_engine = _load_bench_engine()
     torch.set_num_threads(job["threads"])
@@ -295,7 +296,7 @@ def peers_home(peers_python: Path) -> Path:
 
 def prepare_ggufs(model_dir: Path, peers_python: Path, wanted: list[str]) -> tuple[dict[str, str], dict]:
     """Paths of the GGUF files for ``wanted``: the shipped Q4_1, the rest converted once from ``model_dir``."""
-    from tandem.engine.model.loader import DEFAULT_MODEL_NAME, default_model_gguf
+    from tandem.model_files import DEFAULT_MODEL_NAME, default_model_gguf
 
     files: dict[str, str] = {}
     notes: dict = {}
@@ -514,7 +515,7 @@ def main() -> None:
         worker_main(args)
         return
 
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
 
     started = time.perf_counter()
     systems = [s for s in args.systems.split(",") if s]

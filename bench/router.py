@@ -30,10 +30,11 @@ from pathlib import Path
 
 import httpx
 
-from router_svc.policy import POLICIES, QueuedWork, RouteInput, WorkerView
-from tandem.bench.live import wait_for_healthy_backends
-from tandem.bench.results import percentile, write_json
-from tandem.engine.model.loader import model_name, resolve_model
+from router_svc.policies import POLICIES, RouteInput
+from router_svc.worker_view import QueuedWork, WorkerReport, WorkerView
+from tandem.loadgen.live import wait_for_healthy_backends
+from tandem.loadgen.results import percentile, write_json
+from tandem.model_files import model_name, resolve_model
 from tandem.stack import start_stack
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 
@@ -168,11 +169,11 @@ def snapshot(num_workers: int, seed: int = 0) -> list[WorkerView]:
         waiting = rng.randint(0, 4) if gpu else 0
         queue = tuple(QueuedWork(True, 0, rng.randint(1, 128)) for _ in range(running))
         queue += tuple(QueuedWork(False, 20, 128) for _ in range(waiting))
-        views.append(WorkerView(
-            name=f"{'gpu' if gpu else 'cpu'}-{index}", kind="gpu" if gpu else "cpu", cached_tokens=496,
+        views.append(WorkerView(WorkerReport(
+            name=f"{'gpu' if gpu else 'cpu'}-{index}", kind="gpu" if gpu else "cpu", requests=queue,
             max_active_requests=4, prefill_tok_s=2551.0 if gpu else 73.0, decode_tok_s=293.0 if gpu else 45.0,
             step_base_s=0.0029 if gpu else 0.0187, step_per_prefill_token_s=0.00039 if gpu else 0.0137,
-            step_per_decode_s=0.0027 if gpu else 0.0176, queue=queue))
+            step_per_decode_s=0.0027 if gpu else 0.0176), cached_tokens=496))
     return views
 
 

@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from router_svc.sim.profiles import fetch_worker_profiles, seed_m2
-from router_svc.sim.simulator import simulate
-from tandem.bench import plots
-from tandem.bench.live import (router_workers, run_workload, wait_for_healthy_backends, warm, worker_vocab_size,
+from simulator.profiles import fetch_worker_profiles, seed_m2
+from simulator.simulator import simulate
+from tandem.loadgen import plots
+from tandem.loadgen.live import (router_workers, run_workload, wait_for_healthy_backends, warm, worker_vocab_size,
                                write_run)
-from tandem.bench.results import write_json
-from tandem.bench.workloads import long_context, seed_burst
+from tandem.loadgen.results import write_json
+from tandem.loadgen.workloads import long_context, seed_burst
 from tandem.engine.utils import cdiv
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -141,7 +141,7 @@ def simulation_report(fixed_share_sensitivity: float) -> dict:
 
 def live_report(sizes: list[int], repeats: int, policies: list[str]) -> dict:
     """Each run on fresh servers (default model) with the shared prefix warmed on both workers."""
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
 
     model = str(resolve_model(None))
     runs: dict = {}

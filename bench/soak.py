@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from tandem.bench.live import wait_for_healthy_backends
-from tandem.bench.results import percentile, write_json
+from tandem.loadgen.live import wait_for_healthy_backends
+from tandem.loadgen.results import percentile, write_json
 from tandem.launch import ServiceProcess, free_port
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 

@@ -19,7 +19,8 @@ import torch
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model.cpu_kernels import CpuKernels
 from tandem.engine.model.factory import build_engine
-from tandem.engine.request import Request, SamplingParams
+from tandem.engine.request import Request
+from tandem.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TIMED = ("linear", "decode_attention")

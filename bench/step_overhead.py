@@ -32,7 +32,8 @@ def measure(model_dir: str, bursts: int) -> dict:
     import tandem
     from tandem.engine.config import CacheConfig, SchedulerConfig
     from tandem.engine.model.factory import build_engine
-    from tandem.engine.request import Request, SamplingParams
+    from tandem.engine.request import Request
+    from tandem.sampling import SamplingParams
 
     engine = build_engine(model_dir, scheduler=SchedulerConfig(max_num_batched_tokens=256),
                           cache=CacheConfig(num_kv_blocks=512), calibrate=False)

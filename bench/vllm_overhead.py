@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 
-from tandem.bench.live import OpenAIServer, run_openai_workload, write_run
-from tandem.bench.results import write_json
-from tandem.bench.workloads import poisson, seed_burst
+from tandem.loadgen.live import OpenAIServer, run_openai_workload, write_run
+from tandem.loadgen.results import write_json
+from tandem.loadgen.workloads import poisson, seed_burst
 from tandem.launch import ServiceProcess, free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -105,7 +105,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=RESULTS / "vllm-overhead.json")
     args = parser.parse_args()
 
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
     from tandem.engine.config import SchedulerConfig
 
     model = str(resolve_model(None))

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from router_svc.prefix_index import PrefixIndex, PromptBlocks
-from tandem.bench.results import percentile
+from tandem.loadgen.results import percentile
 from tandem.launch import ServiceProcess
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS / "worker.json")
     args = parser.parse_args()
 
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
 
     model_dir = resolve_model(None)
     RESULTS.mkdir(parents=True, exist_ok=True)

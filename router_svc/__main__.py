@@ -8,13 +8,13 @@ import signal
 import sys
 import time
 
-from router_svc.admission import Admission
 from router_svc import discovery
-from router_svc.backends import BackendRegistry
+from router_svc.admission import Admission
 from router_svc.config import RouterConfig, parse_config
-from router_svc.http.app import OpenAIFrontEnd, ServedModel, http_server
-from router_svc.router import Router
-from router_svc.servicer import RouterServicer
+from router_svc.frontends.grpc import RouterServicer
+from router_svc.frontends.openai import OpenAIFrontEnd, ServedModel, http_server
+from router_svc.request_path import Router
+from router_svc.workers import WorkerRegistry
 from tandem.security import BearerTokenAuth
 from tandem.serving import GrpcService, serve_metrics
 from tandem.telemetry import setup_tracing
@@ -29,8 +29,8 @@ GRACE_S = 5.0
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` is set or SIGTERM/SIGINT arrives. Health is SERVING while any worker is healthy."""
-    from tandem.engine.model.loader import model_fingerprint, model_name, resolve_model
-    from tandem.engine.model.tokenizer import load_prompt_tokenizer as load_tokenizer
+    from tandem.model_files import model_fingerprint, model_name, resolve_model
+    from tandem.tokenizer import load_prompt_tokenizer as load_tokenizer
 
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
@@ -40,7 +40,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     model_dir = await asyncio.to_thread(resolve_model, config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
-    registry = BackendRegistry(list(config.workers), fingerprint, config.worker_tls)
+    registry = WorkerRegistry(list(config.workers), fingerprint, config.worker_tls)
     auth = [BearerTokenAuth(config.auth_tokens)] if config.auth_tokens else []
     service = GrpcService(ROUTER_SERVICE, config.host, config.port, tls=config.tls, interceptors=auth, options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),

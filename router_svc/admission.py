@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from router_svc.routing import RoutingError, Status
+from router_svc.errors import RoutingError, Status
 
 
 class AdmissionRefused(RoutingError):

@@ -12,11 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from router_svc import discovery
-from router_svc.backends import WorkerAddress
-from router_svc.policy import DEFAULT_POLICY, POLICIES
+from router_svc.policies import DEFAULT_POLICY, POLICIES
 from router_svc.replacement import CHECK_INTERVAL_S
-from tandem.options import (EnvArgumentParser, non_negative_float, non_negative_int, port_number, positive_float,
-                            positive_int)
+from router_svc.workers import WorkerAddress
+from tandem.options import (
+    EnvArgumentParser,
+    non_negative_float,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from tandem.security import ClientTLS, ServerTLS, add_server_tls_arguments, client_tls, server_tls
 
 WORKERS_ENV = "TANDEM_WORKERS"

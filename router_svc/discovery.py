@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router_svc import metrics
-from router_svc.backends import WorkerAddress
+from router_svc.workers import WorkerAddress
 from tandem.protocol import WORKER_KINDS
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tandem.engine.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError
 
 OVERALL = ""  # the key of the figure over all requests
 EMA_WEIGHT = 0.05  # each new sample's weight: about the last 20 requests count

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.engine.block_pool import extend_block_hashes, max_cache_hit_blocks
+from tandem.prefix_hash import extend_block_hashes, max_cache_hit_blocks
 from tandem.v1 import common_pb2
 
 

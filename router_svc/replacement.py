@@ -22,8 +22,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from router_svc.policy import RouteInput, WorkerView, finish_time_score, queued_finish_time
-from router_svc.routing import Credit, WorkerReport, build_view
+from router_svc.policies import RouteInput, finish_time_score, queued_finish_time
+from router_svc.worker_view import Credit, WorkerReport, WorkerView
 
 MAX_MOVES = 2
 MOVE_MARGIN = 0.2
@@ -120,7 +120,7 @@ def plan_moves(round_candidates: Sequence[Waiting], reports: Mapping[str, Worker
     added: dict[str, list[Credit]] = defaultdict(list)  # the requests this round has moved to each worker
 
     def view(name: str, cached_tokens: int = 0, evictable: int = 0) -> WorkerView:
-        return build_view(reports[name], cached_tokens, [*credits.get(name, ()), *added[name]], "index", evictable)
+        return WorkerView.of(reports[name], cached_tokens, [*credits.get(name, ()), *added[name]], "index", evictable)
 
     moves = []
     for entry in round_candidates:

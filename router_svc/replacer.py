@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router_svc.backends import BackendRegistry
-from router_svc.policy import RouteInput
+from router_svc.policies import RouteInput
 from router_svc.prefix_index import PromptBlocks
 from router_svc.replacement import Waiting, candidates, plan_moves
+from router_svc.workers import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ class _Entry:
 class Replacer:
     """Watches the requests waiting on their workers and hands each the move the check decides for it."""
 
-    def __init__(self, registry: BackendRegistry, interval_s: float):
+    def __init__(self, registry: WorkerRegistry, interval_s: float):
         self.registry = registry
         self.interval_s = interval_s
         self._entries: dict[str, _Entry] = {}

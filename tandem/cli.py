@@ -27,7 +27,7 @@ def _run(argv: list[str]) -> int:
     from tandem.client import DEFAULT_ROUTER
 
     if argv[:1] == ["bench"]:
-        from tandem.bench.live import main as bench_main
+        from tandem.loadgen.live import main as bench_main
 
         return bench_main(argv[1:])
     installed = _installed_commands()
@@ -77,14 +77,14 @@ def _run(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "provision":
         from tandem.engine.model import cpu_kernels
-        from tandem.engine.model.loader import resolve_model
+        from tandem.model_files import resolve_model
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         print(resolve_model(args.model))
         cpu_kernels.build_all()
         return 0
     if args.command == "up":
-        from tandem.engine.model.loader import tandem_home
+        from tandem.model_files import tandem_home
         from tandem.stack import run_stack
 
         return run_stack(args.model, args.router_port, args.cpu_port, args.gpu_port,

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import fields
 
 from tandem.decision import RoutingDecision, WorkerScore
-from tandem.engine.errors import InvalidRequestError
-from tandem.engine.request import SamplingParams
+from tandem.errors import InvalidRequestError
+from tandem.sampling import SamplingParams
 from tandem.v1 import common_pb2, router_pb2
 
 WORKER_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.engine.model.loader import model_name
+from tandem.model_files import model_name
 from tandem.launch import ServiceProcess, free_port
 
 

@@ -18,7 +18,8 @@ import torch
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model.factory import build_engine
-from tandem.engine.request import Request, SamplingParams
+from tandem.engine.request import Request
+from tandem.sampling import SamplingParams
 
 TIMED_STEPS = 32
 BATCHES = (1, 8, 64)

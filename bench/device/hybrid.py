@@ -16,13 +16,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from seed import MAX_ACTIVE_SWEEP, live_run  # noqa: E402
 
-from tandem.bench.results import write_json  # noqa: E402
+from tandem.loadgen.results import write_json  # noqa: E402
 
 
 def main(out_dir: Path) -> int:
     import torch
 
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
 
     started = time.perf_counter()
     model = str(resolve_model(None))

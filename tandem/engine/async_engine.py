@@ -144,16 +144,16 @@ class AsyncEngine:
     def follow_prefix_cache(self) -> CacheFeed:
         """A feed of the prefix cache's hash index: its first take lists every cached hash."""
         with self._lock:
-            return self.engine.scheduler.pool.subscribe()
+            return self.engine.follow_prefix_cache()
 
     def prefix_cache_changes(self, feed: CacheFeed) -> tuple[bool, dict[bytes, str]]:
         """``BlockPool.take_changes``: (whether this is a whole listing, each hash's newest standing)."""
         with self._lock:
-            return self.engine.scheduler.pool.take_changes(feed)
+            return self.engine.prefix_cache_changes(feed)
 
     def unfollow_prefix_cache(self, feed: CacheFeed) -> None:
         with self._lock:
-            self.engine.scheduler.pool.unsubscribe(feed)
+            self.engine.unfollow_prefix_cache(feed)
 
     def reset_prefix_cache(self) -> None:
         with self._lock:
@@ -185,7 +185,7 @@ class AsyncEngine:
                 continue
             start = time.perf_counter()
             try:
-                sampled = self.engine.executor.execute(output)
+                sampled = self.engine.execute(output)
             except Exception as exc:  # any failure of the model step ends every request with it
                 logger.exception("model step failed; the engine stops")
                 reason = f"model step failed: {type(exc).__name__}: {exc}"

@@ -1,8 +1,6 @@
 """Paged KV blocks with prefix reuse.
 
-A full block is identified by a chain hash: the hash of its parent block's hash and its own token ids,
-starting from a fixed seed. Equal prefixes therefore give equal hashes in every process. Blocks no
-request holds stay cached (still findable by hash) in an LRU free queue until they are reused.
+A full block is identified by its chain hash (``tandem.prefix_hash``). Blocks no request holds stay cached (still findable by hash) in an LRU free queue until they are reused.
 
 Subscribers (a router, through the worker's WatchState) follow the hash index through ``CacheFeed``s:
 each cached hash is ``HELD`` (some request holds its block), ``FREE`` (cached, evictable) or ``REMOVED``.
@@ -10,31 +8,11 @@ each cached hash is ``HELD`` (some request holds its block), ``FREE`` (cached, e
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-import sys
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-ROOT_HASH = hashlib.blake2b(b"tandem.kv.v1", digest_size=16).digest()
-
-
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chain hash of one full block: deterministic across processes and machines."""
-    tokens = array("q", token_ids)
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    return hashlib.blake2b(parent_hash + tokens.tobytes(), digest_size=16).digest()
-
-
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, limit: int) -> None:
-    """Append the chain hashes of full blocks of ``token_ids`` until ``hashes`` covers ``limit`` blocks."""
-    parent = hashes[-1] if hashes else ROOT_HASH
-    for index in range(len(hashes), min(limit, len(token_ids) // block_size)):
-        parent = hash_block(parent, token_ids[index * block_size:(index + 1) * block_size])
-        hashes.append(parent)
-
+from tandem.prefix_hash import extend_block_hashes, max_cache_hit_blocks
 
 HELD, FREE, REMOVED = "held", "free", "removed"
 
@@ -95,11 +73,6 @@ class CachedPrefix:
 
     tokens: int
     evictable_tokens: int
-
-
-def max_cache_hit_blocks(num_tokens: int, block_size: int) -> int:
-    """Full blocks a hit may cover: at least one token must be computed so that its logits exist."""
-    return max(0, num_tokens - 1) // block_size
 
 
 class KVBlock:

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tandem.engine.block_pool import CachedPrefix
+from tandem.engine.block_pool import CacheFeed, CachedPrefix
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer, Tokenizer
-from tandem.engine.errors import EngineDeadError, InvalidRequestError
+from tandem.errors import EngineDeadError, InvalidRequestError
 from tandem.engine.rates import Rates, RateTracker, StepSample
 from tandem.engine.request import FinishReason, Request, RequestStatus
 from tandem.engine.scheduler import SchedulerLoad, Scheduler, SchedulerOutput
@@ -170,7 +170,7 @@ class LLMEngine:
         if not output.scheduled:
             return []
         start = time.perf_counter()
-        sampled = self.executor.execute(output)
+        sampled = self.execute(output)
         return self.process(output, sampled, time.perf_counter() - start, record_step)
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
@@ -218,10 +218,24 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (only while no request holds blocks)."""
-        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
-        return self.scheduler.kv_cache_manager.cached_prefix(token_ids)
+        return self.scheduler.cached_prefix(token_ids)
+
+    def follow_prefix_cache(self) -> CacheFeed:
+        return self.scheduler.follow_prefix_cache()
+
+    def prefix_cache_changes(self, feed: CacheFeed) -> tuple[bool, dict[bytes, str]]:
+        return self.scheduler.prefix_cache_changes(feed)
+
+    def unfollow_prefix_cache(self, feed: CacheFeed) -> None:
+        self.scheduler.unfollow_prefix_cache(feed)
+
+    def execute(self, output: SchedulerOutput) -> list[int | None]:
+        """Run the model on a scheduled batch; the sampled tokens go to ``process``. Touches no engine state,
+        so the engine loop calls it outside its lock."""
+        return self.executor.execute(output)
 
     def state(self) -> EngineState:
         return EngineState(
@@ -238,7 +252,7 @@ class LLMEngine:
         if request.req_id in self._requests:
             raise InvalidRequestError("request_id", f"{request.req_id!r} is already in use")
         validate_request(request, self.executor.vocab_size, self.executor.max_model_len,
-                         self.scheduler.pool.num_blocks, self.config.block_size)
+                         self.scheduler.num_kv_blocks, self.config.block_size)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         """Detokenize the request's new token (``process`` releases its text); return the status it ends with."""

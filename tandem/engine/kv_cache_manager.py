@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem.engine.block_pool import BlockPool, CachedPrefix, KVBlock, extend_block_hashes, max_cache_hit_blocks
+from tandem.engine.block_pool import BlockPool, CachedPrefix, KVBlock
+from tandem.prefix_hash import extend_block_hashes, max_cache_hit_blocks
 from tandem.engine.request import Request
 
 

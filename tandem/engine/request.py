@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
-from tandem.engine.errors import InvalidRequestError
 from tandem.engine.utils import cdiv
+from tandem.sampling import SamplingParams
 
 
 class FinishReason(str, enum.Enum):
@@ -46,37 +45,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORTED,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` means greedy.
-
-    Args:
-        temperature: softmax temperature, >= 0.
-        top_p: nucleus mass in (0, 1]; 1 keeps every token.
-        top_k: keep the k most likely tokens; 0 keeps every token.
-        seed: makes sampling reproducible for this request when set.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not (0 < self.top_p <= 1):
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**63)):
-            raise InvalidRequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass(eq=False)
@@ -160,11 +128,3 @@ class Request:
     def block_token_ids(self, index: int, block_size: int) -> list[int]:
         """The tokens of block ``index``."""
         return self.token_ids[index * block_size:(index + 1) * block_size]
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -7,9 +7,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tandem.engine.block_pool import BlockPool
+from tandem.engine.block_pool import BlockPool, CacheFeed, CachedPrefix
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.errors import QueueFullError
+from tandem.errors import QueueFullError
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 
@@ -122,6 +122,28 @@ class Scheduler:
     def pool(self) -> BlockPool:
         """The KV cache manager's block pool, for inspection."""
         return self.kv_cache_manager.block_pool
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.num_blocks
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        return self.kv_cache_manager.cached_prefix(token_ids)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (only while no request holds blocks)."""
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def follow_prefix_cache(self) -> CacheFeed:
+        """A feed of the prefix cache's hash index (``BlockPool.subscribe``)."""
+        return self.kv_cache_manager.block_pool.subscribe()
+
+    def prefix_cache_changes(self, feed: CacheFeed) -> tuple[bool, dict[bytes, str]]:
+        """``BlockPool.take_changes``: (whether this is a whole listing, each hash's newest standing)."""
+        return self.kv_cache_manager.block_pool.take_changes(feed)
+
+    def unfollow_prefix_cache(self, feed: CacheFeed) -> None:
+        self.kv_cache_manager.block_pool.unsubscribe(feed)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

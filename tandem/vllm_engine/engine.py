@@ -34,7 +34,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from tandem.engine.block_pool import CacheFeed, CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput, RequestStats, validate_request
-from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import RateTracker, StepSample
 from tandem.engine.request import FinishReason, Request
 from tandem.engine.scheduler import RequestLoad, SchedulerLoad

@@ -11,18 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from tandem.engine.block_pool import (
-    FREE,
-    HELD,
-    REMOVED,
-    ROOT_HASH,
-    CacheFeed,
-    CacheFeeds,
-    CachedPrefix,
-    extend_block_hashes,
-    hash_block,
-    max_cache_hit_blocks,
-)
+from tandem.engine.block_pool import FREE, HELD, REMOVED, CacheFeed, CacheFeeds, CachedPrefix
+from tandem.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block, max_cache_hit_blocks
 
 
 class VllmPrefixIndex:

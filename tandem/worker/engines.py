@@ -72,8 +72,8 @@ def load(config: WorkerConfig, on_failure: Callable[[str], None]) -> Callable[[]
     """Load ``config``'s engine (slow; runs off the event loop). Returns what starts it on the event loop."""
     import torch
 
-    from tandem.engine.model.loader import DEFAULT_MODEL_NAME, model_fingerprint, resolve_model
-    from tandem.engine.model.tokenizer import load_tokenizer
+    from tandem.model_files import DEFAULT_MODEL_NAME, model_fingerprint, resolve_model
+    from tandem.tokenizer import load_tokenizer
 
     torch.set_num_threads(config.threads or default_threads())
     model_dir = resolve_model(config.model)
@@ -111,7 +111,7 @@ def _load_tandem(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, 
 def _load_vllm(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, on_failure):
     from transformers import AutoConfig
 
-    from tandem.engine.model.loader import eos_token_ids
+    from tandem.model_files import eos_token_ids
     from tandem.vllm_engine.engine import VllmEngine, VllmSettings
     from tandem.worker import metrics
 

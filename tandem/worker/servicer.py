@@ -12,7 +12,7 @@ import grpc
 
 from tandem.engine.block_pool import FREE, HELD, REMOVED, CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput
-from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request
 from tandem.protocol import WORKER_KINDS, prompt_token_ids, sampling_params

@@ -9,7 +9,8 @@ import torch
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.model.factory import build_engine
-from tandem.engine.request import Request, SamplingParams
+from tandem.engine.request import Request
+from tandem.sampling import SamplingParams
 from tests.device import TEST_DEVICE
 
 GREEDY = SamplingParams(temperature=0)

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.errors import EngineDeadError
+from tandem.errors import EngineDeadError
 from tandem.engine.request import FinishReason
 from tests.engine.helpers import assert_no_leaks, greedy_request, hf_greedy, make_engine, random_prompt
 

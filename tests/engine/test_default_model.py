@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.model.loader import resolve_model
+from tandem.model_files import resolve_model
 from tests.engine.helpers import greedy_request, hf_greedy, make_engine, output_tokens, run_to_completion
 
 pytestmark = pytest.mark.model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.engine.model.loader import resolve_model
+from tandem.model_files import resolve_model
 from tandem.engine.model.runner import resolve_dtype
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tandem.engine.model.tokenizer import PromptTokenizer, load_prompt_tokenizer, load_tokenizer
+from tandem.tokenizer import PromptTokenizer, load_prompt_tokenizer, load_tokenizer
 from tests.models import CORPUS, build_tokenizer
 
 TEXTS = [*CORPUS, " leading space", "a\n\n\tb  c", "<s>user\nhi</s> and <unk>", "x</s>"]
@@ -105,6 +105,6 @@ def test_tokenizers_that_transformers_rebuilds_or_merges_fall_back_to_transforme
 
 @pytest.mark.model
 def test_the_default_model_encodes_identically():
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
 
     assert_same_ids(resolve_model(None), [*TEXTS, "<|im_start|>user\nhi<|im_end|>", "<|endoftext|> x"])

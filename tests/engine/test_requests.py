@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tandem.engine.engine import LLMEngine
-from tandem.engine.errors import InvalidRequestError, QueueFullError
-from tandem.engine.request import FinishReason, Request, SamplingParams
+from tandem.errors import InvalidRequestError, QueueFullError
+from tandem.engine.request import FinishReason, Request
+from tandem.sampling import SamplingParams
 from tests.engine.helpers import (
     GREEDY,
     assert_no_leaks,

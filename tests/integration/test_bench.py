@@ -7,9 +7,9 @@ import json
 import httpx
 import pytest
 
-from tandem.bench.live import OpenAIServer
-from tandem.bench.live import main as bench_main
-from tandem.bench.workloads import WorkloadRequest
+from tandem.loadgen.live import OpenAIServer
+from tandem.loadgen.live import main as bench_main
+from tandem.loadgen.workloads import WorkloadRequest
 from tandem.launch import free_port
 from tests.integration.workers import SERVING, RouterProcess, running_worker
 

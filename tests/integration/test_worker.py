@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from tandem.engine.block_pool import extend_block_hashes
+from tandem.prefix_hash import extend_block_hashes
 from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
 from tests.integration.workers import WorkerProcess, running_worker, wait_until

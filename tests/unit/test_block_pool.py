@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.engine.block_pool import (
-    ROOT_HASH,
-    BlockPool,
-    extend_block_hashes,
-    hash_block,
-    max_cache_hit_blocks,
-)
+from tandem.engine.block_pool import BlockPool
+from tandem.prefix_hash import ROOT_HASH, extend_block_hashes, hash_block, max_cache_hit_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 4
@@ -84,7 +79,7 @@ def test_hash_block_depends_on_parent_and_tokens():
 
 def test_hash_block_does_not_depend_on_python_hash_randomization():
     code = (
-        "from tandem.engine.block_pool import ROOT_HASH, hash_block;"
+        "from tandem.prefix_hash import ROOT_HASH, hash_block;"
         "print(hash_block(hash_block(ROOT_HASH, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())"
     )
     expected = hash_block(hash_block(ROOT_HASH, [1, 2, 3, 4]), [5, 6, 7, 8]).hex()

@@ -1,4 +1,5 @@
-"""Dependencies point down: services import the library, never the reverse; the router never imports torch."""
+"""Dependencies point down: services import the library, never the reverse; the router imports nothing from the
+engine (so never torch); the engine and its loop reach no further than the objects they hold."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("router_svc", "cpu_worker", "gpu_worker")
+SERVICES = ("router_svc", "simulator", "cpu_worker", "gpu_worker")
 # What `python -m router_svc` imports before it serves, and how it loads its tokenizer.
-ROUTER_IMPORTS = "import router_svc.__main__, router_svc.servicer, router_svc.backends, router_svc.policy"
+ROUTER_IMPORTS = "import router_svc.__main__, router_svc.frontends.grpc, router_svc.workers, router_svc.policies"
 
 
 def modules_loaded_after(code: str) -> set[str]:
@@ -28,7 +29,7 @@ def modules_loaded_after(code: str) -> set[str]:
 def router_tokenizer_script(model_dir: str) -> str:
     return f"""
         {ROUTER_IMPORTS}
-        from tandem.engine.model.tokenizer import load_prompt_tokenizer
+        from tandem.tokenizer import load_prompt_tokenizer
         tokenizer = load_prompt_tokenizer({model_dir!r})
         assert tokenizer("Hello there")["input_ids"]
         assert tokenizer.chat_template
@@ -60,8 +61,7 @@ def test_the_router_loads_its_tokenizer_with_the_torch_free_loader():
     tree = ast.parse((ROOT / "router_svc" / "__main__.py").read_text())
     imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 for alias in node.names}
-    assert ("tandem.engine.model.tokenizer", "load_prompt_tokenizer") in imported
-    assert not any(module == "tandem.engine.model.factory" for module, _ in imported)
+    assert ("tandem.tokenizer", "load_prompt_tokenizer") in imported
 
 
 def test_the_router_imports_no_torch_while_it_tokenizes(tmp_path):
@@ -71,7 +71,7 @@ def test_the_router_imports_no_torch_while_it_tokenizes(tmp_path):
 
 @pytest.mark.model
 def test_the_router_imports_no_torch_with_the_default_models_tokenizer():
-    from tandem.engine.model.loader import resolve_model
+    from tandem.model_files import resolve_model
 
     loaded = modules_loaded_after(router_tokenizer_script(str(resolve_model(None))))
     assert "torch" not in loaded
@@ -93,5 +93,54 @@ def test_the_library_imports_no_service():
 
 
 def test_the_routing_core_imports_neither_grpc_nor_torch():
-    loaded = modules_loaded_after("import router_svc.routing")
+    loaded = modules_loaded_after("import router_svc.policies, router_svc.worker_view, router_svc.replacement")
     assert not loaded & {"grpc", "torch"}, sorted(loaded & {"grpc", "torch"})
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_the_router_imports_nothing_from_the_engine():
+    offenders = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+                 for path in sorted((ROOT / "router_svc").rglob("*.py"))
+                 for line, name in imported_modules(path) if name == "tandem.engine" or name.startswith("tandem.engine.")]
+    assert not offenders, offenders
+    loaded = modules_loaded_after(f"{ROUTER_IMPORTS}\nimport sys\n"
+                                  "assert not [m for m in sys.modules if m.startswith('tandem.engine')], "
+                                  "sorted(m for m in sys.modules if m.startswith('tandem.engine'))")
+    assert "router_svc" in loaded
+
+
+def attribute_chains_from_self(path: Path) -> list[tuple[int, str]]:
+    """``self.a.b.c`` chains (three or more names past ``self``), outermost only."""
+    chains, inner = [], set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute) or id(node) in inner:
+            continue
+        names, value = [node.attr], node.value
+        while isinstance(value, ast.Attribute):
+            inner.add(id(value))
+            names.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id == "self" and len(names) >= 3:
+            chains.append((node.lineno, "self." + ".".join(reversed(names))))
+    return chains
+
+
+@pytest.mark.parametrize("module", ["tandem/engine/engine.py", "tandem/engine/async_engine.py"])
+def test_the_engine_and_its_loop_reach_one_object_down_at_most(module):
+    reaching = attribute_chains_from_self(ROOT / module)
+    assert not reaching, reaching
+
+
+def test_the_reach_check_sees_a_chain(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("class A:\n    def f(self):\n        return self.engine.scheduler.pool.subscribe()\n")
+    assert attribute_chains_from_self(sample) == [(3, "self.engine.scheduler.pool.subscribe")]

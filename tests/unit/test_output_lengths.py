@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from router_svc.output_lengths import OVERALL, PRIOR_SAMPLES, OutputLengths, check_length_key
-from router_svc.policy import QueuedWork, RouteInput, cost_score, finish_time_score
-from tandem.engine.errors import InvalidRequestError
+from router_svc.policies import RouteInput, cost_score, finish_time_score
+from router_svc.worker_view import QueuedWork
+from tandem.errors import InvalidRequestError
 from tests.unit.test_policy import make_view
 
 

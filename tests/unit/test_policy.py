@@ -1,35 +1,40 @@
-"""Unit tests for the router's routing policies (router_svc/policy.py): pure Python, no worker needed."""
+"""Unit tests for the router's routing policies (router_svc/policies.py): pure Python, no worker needed."""
 
 from __future__ import annotations
 
 import math
 import random
 from collections import deque
+from dataclasses import fields
 
 import pytest
 
-from router_svc.policy import (
+from router_svc.policies import (
     DEFAULT_POLICY,
     POLICIES,
     Evictions,
     NoEligibleWorker,
-    QueuedWork,
     RouteInput,
-    WorkerView,
     cost_score,
     finish_time_score,
     play_evictions,
 )
+from router_svc.worker_view import QueuedWork, WorkerReport, WorkerView
+
+REPORT_FIELDS = {f.name for f in fields(WorkerReport)}
 
 
 def make_view(name: str = "w", kind: str = "gpu", *, pending_prefill_tokens: int = 0, pending_decode_tokens: int = 0,
-              num_running: int = 0, num_waiting: int = 0, inflight_requests: int = 0, **fields) -> WorkerView:
+              num_running: int = 0, num_waiting: int = 0, inflight_requests: int = 0, **values) -> WorkerView:
     """A view whose queue has these totals: ``num_running`` running and ``num_waiting`` waiting requests (the last
     ``inflight_requests`` of them credited), prefill on the waiting ones (else the running ones), decode spread
-    over all. Totals without requests sit on one running request. An explicit ``queue`` is used as it is."""
-    values = dict(cached_tokens=0, max_active_requests=8, prefill_tok_s=1000.0, decode_tok_s=100.0)
-    values.update(fields)
-    if "queue" not in values:
+    over all. Totals without requests sit on one running request. An explicit ``queue`` is used as it is. Every
+    other keyword is a field of the report or of the view."""
+    report = dict(max_active_requests=8, prefill_tok_s=1000.0, decode_tok_s=100.0)
+    report.update({key: value for key, value in values.items() if key in REPORT_FIELDS})
+    view = {key: value for key, value in values.items() if key not in REPORT_FIELDS and key != "queue"}
+    queue = values.get("queue")
+    if queue is None:
         running = [[True, 0, 0, False] for _ in range(num_running)]
         waiting = [[False, 0, 0, index >= num_waiting - inflight_requests] for index in range(num_waiting)]
         if not running and not waiting and (pending_prefill_tokens or pending_decode_tokens):
@@ -40,8 +45,11 @@ def make_view(name: str = "w", kind: str = "gpu", *, pending_prefill_tokens: int
             work[1] = pending_prefill_tokens // len(prefill_holders) + (index < pending_prefill_tokens % len(prefill_holders))
         for index, work in enumerate(queue):
             work[2] = pending_decode_tokens // len(queue) + (index < pending_decode_tokens % len(queue))
-        values["queue"] = tuple(QueuedWork(*work) for work in queue)
-    return WorkerView(name=name, kind=kind, **values)
+        queue = tuple(QueuedWork(*work) for work in queue)
+    requests = tuple(work for work in queue if not work.credited)
+    credited = tuple(work for work in queue if work.credited)
+    assert queue == requests + credited, "credited work follows the reported requests"
+    return WorkerView(WorkerReport(name=name, kind=kind, requests=requests, **report), credited=credited, **view)
 
 
 def scores_by_worker(decision) -> dict[str, float]:
@@ -338,9 +346,9 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
     waiting.append(target)
     clock = 0.0
     for _ in range(100_000):
-        while waiting and len(running) < view.max_active_requests:
+        while waiting and len(running) < view.report.max_active_requests:
             running.append(waiting.popleft())
-        budget = view.max_num_batched_tokens
+        budget = view.report.max_num_batched_tokens
         prefill_tokens = decodes = 0
         for work in running:
             if budget <= 0:
@@ -359,7 +367,8 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
                     prefill_tokens += chunk
                 if work.prefill == 0:
                     work.generated += 1
-        clock += view.step_base_s + view.step_per_prefill_token_s * prefill_tokens + view.step_per_decode_s * decodes
+        report = view.report
+        clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens + report.step_per_decode_s * decodes
         if target.done:
             return clock
         running = deque(work for work in running if not work.done)
@@ -411,7 +420,7 @@ def test_simulation_reproduces_the_hand_computations():
 
 
 def test_scenarios_exercise_waiting_for_slots_and_mixed_steps():
-    assert sum(v.num_running == v.max_active_requests and v.num_waiting > 0 for v, _ in SCENARIOS) >= 20
+    assert sum(v.num_running == v.report.max_active_requests and v.num_waiting > 0 for v, _ in SCENARIOS) >= 20
     assert sum(any(w.running and w.prefill_tokens > 0 for w in v.queue) for v, _ in SCENARIOS) >= 20
     assert sum(v.cached_tokens > 0 for v, _ in SCENARIOS) >= 20
 

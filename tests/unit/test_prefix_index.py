@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from router_svc.prefix_index import PrefixIndex, PromptBlocks
-from tandem.engine.block_pool import FREE, HELD, REMOVED, BlockPool, extend_block_hashes, max_cache_hit_blocks
+from tandem.engine.block_pool import FREE, HELD, REMOVED, BlockPool
+from tandem.prefix_hash import extend_block_hashes, max_cache_hit_blocks
 from tandem.worker.servicer import _prefix_cache_messages
 
 BLOCK = 4

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from router_svc.policy import QueuedWork, RouteInput, finish_time_score
-from router_svc.replacement import (EARLIER_ELSEWHERE, ESTIMATE_GREW, MAX_MOVES, Waiting, candidates, consider_move,
-                                    plan_moves)
-from router_svc.routing import WorkerReport
+from router_svc.policies import RouteInput, finish_time_score
+from router_svc.replacement import (
+    EARLIER_ELSEWHERE,
+    ESTIMATE_GREW,
+    MAX_MOVES,
+    Waiting,
+    candidates,
+    consider_move,
+    plan_moves,
+)
+from router_svc.worker_view import QueuedWork, WorkerReport
 from tests.unit.test_policy import make_view
 
 STEPS = dict(step_base_s=0.01, step_per_prefill_token_s=1e-4, step_per_decode_s=1e-4, max_num_batched_tokens=64,

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from tandem.engine.errors import InvalidRequestError
-from tandem.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tandem.errors import InvalidRequestError
+from tandem.engine.request import FinishReason, Request, RequestStatus
+from tandem.sampling import SamplingParams
 from tandem.engine.utils import cdiv
 
 # --- SamplingParams ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router_svc.backends import WorkerAddress
+from router_svc.workers import WorkerAddress
 from router_svc.config import parse_config
 
 

@@ -6,18 +6,10 @@ import json
 
 import pytest
 
-from router_svc.policy import QueuedWork, RouteInput
-from router_svc.routing import (
-    Credit,
-    Failover,
-    RoutingError,
-    Status,
-    WorkerCallFailed,
-    WorkerReport,
-    WorkerStatus,
-    build_view,
-    route,
-)
+from router_svc.errors import RoutingError, Status, WorkerCallFailed
+from router_svc.failover import Failover, WorkerStatus
+from router_svc.policies import RouteInput, route
+from router_svc.worker_view import Credit, QueuedWork, WorkerReport, WorkerView
 from tandem.decision import SCORE_PARTS, RoutingDecision
 from tandem.protocol import decision_from_message, decision_message
 
@@ -33,19 +25,19 @@ RUNNING = QueuedWork(True, 0, 30, request_id="r1")
 WAITING = QueuedWork(False, 40, 64, request_id="r2")
 
 
-# --- build_view --------------------------------------------------------------------------------------
+# --- WorkerView.of ----------------------------------------------------------------------------------
 
 def test_view_totals_come_from_the_reported_queue():
-    view = build_view(report("g", requests=(RUNNING, WAITING)), cached_tokens=96)
+    view = WorkerView.of(report("g", requests=(RUNNING, WAITING)), cached_tokens=96)
     assert (view.num_running, view.num_waiting, view.inflight_requests) == (1, 1, 0)
     assert (view.pending_prefill_tokens, view.pending_decode_tokens) == (40, 94)
-    assert view.cached_tokens == 96 and view.state_source == "estimate" and view.device == "gpu:0"
-    assert (view.max_active_requests, view.max_num_batched_tokens, view.step_per_decode_s) == (4, 256, 0.002)
+    assert view.cached_tokens == 96 and view.state_source == "estimate" and view.report.device == "gpu:0"
+    assert view.score_parts()["device"] == "gpu:0" and view.score_parts()["decode_tokens_per_s"] == 100.0
 
 
 def test_credit_joins_the_queue_as_waiting_work_until_the_report_shows_it():
     credits = [Credit("r2", 999, 999), Credit("r3", 20, 128)]  # r2 is already in the report: not counted twice
-    view = build_view(report("g", requests=(RUNNING, WAITING)), 0, credits, state_source="snapshot")
+    view = WorkerView.of(report("g", requests=(RUNNING, WAITING)), 0, credits, state_source="snapshot")
     assert (view.num_running, view.num_waiting, view.inflight_requests) == (1, 2, 1)
     assert (view.pending_prefill_tokens, view.pending_decode_tokens) == (60, 222)
     assert view.queue[-1] == QueuedWork(False, 20, 128, credited=True, request_id="r3")
@@ -53,7 +45,7 @@ def test_credit_joins_the_queue_as_waiting_work_until_the_report_shows_it():
 
 
 def test_a_view_cannot_disagree_with_itself():
-    view = build_view(report("g"), 0, [Credit("a", 5, 7)])
+    view = WorkerView.of(report("g"), 0, [Credit("a", 5, 7)])
     assert view.num_running + view.num_waiting == len(view.queue) == 1
     assert view.pending_decode_tokens == sum(work.decode_tokens for work in view.queue) == 7
 
@@ -65,8 +57,8 @@ WORKERS = [WorkerStatus("cpu", "cpu", "serving"), WorkerStatus("gpu", "gpu", "se
 
 
 def views(**busy_gpu):
-    return [build_view(report("cpu", "cpu", prefill=73.0, decode=45.0), 496),
-            build_view(report("gpu", requests=busy_gpu.get("requests", ()), prefill=2551.0, decode=293.0), 496)]
+    return [WorkerView.of(report("cpu", "cpu", prefill=73.0, decode=45.0), 496),
+            WorkerView.of(report("gpu", requests=busy_gpu.get("requests", ()), prefill=2551.0, decode=293.0), 496)]
 
 
 def test_route_chooses_the_lowest_score_and_lists_every_known_worker():
@@ -90,7 +82,7 @@ def test_a_worker_the_policy_excludes_is_listed_with_its_state_and_the_reason():
 
 def test_route_reports_the_busy_workers_queue_with_credit():
     busy = views(requests=tuple(QueuedWork(True, 0, 124) for _ in range(4)))
-    credited = [busy[0], build_view(report("gpu", prefill=2551.0, decode=293.0), 496, [Credit("x", 20, 128)])]
+    credited = [busy[0], WorkerView.of(report("gpu", prefill=2551.0, decode=293.0), 496, [Credit("x", 20, 128)])]
     decision = route("cost", RouteInput(516, 128), credited, WORKERS, Failover())
     gpu = next(s for s in decision.scores if s.worker == "gpu")
     assert (gpu.inflight_requests, gpu.num_waiting, gpu.pending_decode_tokens) == (1, 1, 128)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.errors import QueueFullError
+from tandem.errors import QueueFullError
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from router_svc.sim.cli import main as sim_main
-from router_svc.sim.profiles import StepTimeModel, seed_m2
-from router_svc.sim.simulator import simulate
-from tandem.bench.workloads import long_context, seed_burst
+from simulator.cli import main as sim_main
+from simulator.profiles import StepTimeModel, seed_m2
+from simulator.simulator import simulate
+from tandem.loadgen.workloads import long_context, seed_burst
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.utils import cdiv
 

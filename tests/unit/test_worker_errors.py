@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from tandem.engine.errors import EngineDeadError, InvalidRequestError, QueueFullError
+from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.request import FinishReason
 from tandem.v1 import worker_pb2
 from tandem.worker.servicer import WorkerServicer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.results import RequestRecord, percentile, summarize
-from tandem.bench.workloads import long_context, poisson, seed_burst
+from tandem.loadgen.results import RequestRecord, percentile, summarize
+from tandem.loadgen.workloads import long_context, poisson, seed_burst
 
 
 def test_seed_burst_is_the_articles_setup():

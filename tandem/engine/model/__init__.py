@@ -1,1 +1,1 @@
-"""Model loading and execution: the only part of the engine that imports torch."""
+"""Model execution: the only part of the engine that imports torch. Finding a model's files is ``tandem.model_files``."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.model.loader import tandem_home
+from tandem.model_files import tandem_home
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tandem.engine.config import DEFAULT_DECODE_WEIGHTS, CacheConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine
-from tandem.engine.model.loader import resolve_model
+from tandem.model_files import resolve_model
 from tandem.engine.model.runner import ModelRunner
-from tandem.engine.model.tokenizer import load_tokenizer
+from tandem.tokenizer import load_tokenizer
 
 
 def build_engine(

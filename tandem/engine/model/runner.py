@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,10 @@ from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.decode_graphs import DecodeGraphs
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
-from tandem.engine.model.loader import eos_token_ids, load_tensors
 from tandem.engine.model.sampler import sample
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.utils import cdiv
+from tandem.model_files import eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -228,3 +229,20 @@ class ModelRunner:
 class _BlockRow:
     source: list[int]  # the request's block_ids list the tensor copies: appended to in place until reallocated
     ids: torch.Tensor
+
+
+def load_tensors(model_dir: Path) -> dict:
+    """Every tensor of the checkpoint in ``model_dir`` (single or sharded safetensors)."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    tensors: dict = {}
+    for name in files:
+        tensors.update(load_file(model_dir / name))
+    return tensors

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from router_svc.backends import Backend, BackendRegistry, WorkerAddress
 from router_svc.prefix_index import PromptBlocks
+from router_svc.workers import Worker, WorkerAddress, WorkerRegistry
 from tandem.v1 import common_pb2, worker_pb2
 
 
-def make_backend() -> Backend:
-    registry = BackendRegistry([WorkerAddress("gpu", "gpu", "127.0.0.1", 1)], reference_fingerprint="f")
-    backend = registry.backends["gpu"]
-    backend.info = worker_pb2.GetInfoResponse(model_fingerprint="f", max_num_batched_tokens=256)
-    backend.connected = True
-    return backend
+def make_worker() -> Worker:
+    registry = WorkerRegistry([WorkerAddress("gpu", "gpu", "127.0.0.1", 1)], reference_fingerprint="f")
+    worker = registry.workers["gpu"]
+    worker.info = worker_pb2.GetInfoResponse(model_fingerprint="f", max_num_batched_tokens=256)
+    worker.connected = True
+    return worker
 
 
 def state(*requests: common_pb2.RequestLoad, seq: int = 1) -> common_pb2.BackendState:
@@ -30,12 +30,12 @@ def state(*requests: common_pb2.RequestLoad, seq: int = 1) -> common_pb2.Backend
 
 
 async def test_dispatched_requests_count_until_the_worker_reports_them():
-    backend = make_backend()
-    backend.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
-    backend.dispatch("b", prefill_tokens=20, decode_tokens=128)
-    backend.dispatch("c", prefill_tokens=20, decode_tokens=128)
+    worker = make_worker()
+    worker.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
+    worker.dispatch("b", prefill_tokens=20, decode_tokens=128)
+    worker.dispatch("c", prefill_tokens=20, decode_tokens=128)
 
-    credited = backend.view(None)
+    credited = worker.view(None)
     assert (credited.pending_prefill_tokens, credited.pending_decode_tokens) == (40, 356)
     assert (credited.num_waiting, credited.inflight_requests) == (2, 2)
     assert credited.state_source == "snapshot" and credited.cached_tokens == 0
@@ -44,36 +44,36 @@ async def test_dispatched_requests_count_until_the_worker_reports_them():
     fresh = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=99),
                   common_pb2.RequestLoad(request_id="b", running=False, prefill_tokens=20, decode_tokens=128), seq=2)
     fresh.cached_tokens = 496
-    view = backend.view(fresh)
+    view = worker.view(fresh)
     assert (view.pending_prefill_tokens, view.pending_decode_tokens) == (40, 355)  # b reported, c credited
     assert (view.inflight_requests, view.cached_tokens, view.state_source) == (1, 496, "estimate")
 
-    backend.release("c")
-    assert backend.view(fresh).inflight_requests == 0
-    assert backend.routed_requests == 2
+    worker.release("c")
+    assert worker.view(fresh).inflight_requests == 0
+    assert worker.routed_requests == 2
 
 
 async def test_an_indexed_view_looks_the_prompt_up_in_the_workers_prefix_index_and_adds_credit():
-    backend = make_backend()
-    backend.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
-    backend.state.block_size = 4
+    worker = make_worker()
+    worker.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
+    worker.state.block_size = 4
     prompt = PromptBlocks(list(range(13)))  # three full blocks may hit
     first, second, _ = prompt.hashes(4)
-    backend.prefix_index.apply(common_pb2.PrefixCacheChanges(reset=True, held=[first], free=[second]))
-    backend.dispatch("b", prefill_tokens=5, decode_tokens=8)
+    worker.prefix_index.apply(common_pb2.PrefixCacheChanges(reset=True, held=[first], free=[second]))
+    worker.dispatch("b", prefill_tokens=5, decode_tokens=8)
 
-    view = backend.indexed_view(prompt)
+    view = worker.indexed_view(prompt)
     assert (view.cached_tokens, view.cached_evictable_tokens, view.state_source) == (8, 4, "index")
     assert (view.pending_prefill_tokens, view.pending_decode_tokens, view.inflight_requests) == (5, 108, 1)
 
 
 async def test_health_needs_connection_serving_state_and_the_reference_model():
-    backend = make_backend()
-    assert not backend.healthy  # no state yet
-    backend.state = state()
-    assert backend.healthy and backend.describe() == "serving"
-    backend.info = worker_pb2.GetInfoResponse(model_fingerprint="other")
-    assert not backend.healthy and "fingerprint" in backend.describe()
-    backend.info = worker_pb2.GetInfoResponse(model_fingerprint="f")
-    backend.state = common_pb2.BackendState(serving_state=common_pb2.SERVING_STATE_DRAINING)
-    assert not backend.healthy and backend.describe() == "draining"
+    worker = make_worker()
+    assert not worker.healthy  # no state yet
+    worker.state = state()
+    assert worker.healthy and worker.describe() == "serving"
+    worker.info = worker_pb2.GetInfoResponse(model_fingerprint="other")
+    assert not worker.healthy and "fingerprint" in worker.describe()
+    worker.info = worker_pb2.GetInfoResponse(model_fingerprint="f")
+    worker.state = common_pb2.BackendState(serving_state=common_pb2.SERVING_STATE_DRAINING)
+    assert not worker.healthy and worker.describe() == "draining"

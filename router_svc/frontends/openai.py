@@ -1,5 +1,5 @@
 """The router's OpenAI-compatible HTTP front end: a FastAPI app in the router's event loop, over the same
-request path as gRPC (``router_svc.router``), with no extra hop.
+request path as gRPC (``router_svc.request_path``), with no extra hop.
 
 Errors use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``; a routing error's
 ``Status`` maps to an HTTP status in one table. A streamed response starts only once the chosen worker
@@ -31,13 +31,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 
 from router_svc import metrics
-from router_svc.http.schema import ChatCompletionRequest, CompletionRequest, without_unhonoured
+from router_svc.errors import RoutingError, Status
+from router_svc.frontends.openai_schema import ChatCompletionRequest, CompletionRequest, without_unhonoured
 from router_svc.output_lengths import check_length_key
-from router_svc.policy import POLICIES
-from router_svc.router import RoutedRequest, Router, WorkerOutput
-from router_svc.routing import RoutingError, Status
+from router_svc.policies import POLICIES
+from router_svc.request_path import RoutedRequest, Router, WorkerOutput
 from tandem.decision import RoutingDecision
-from tandem.engine.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError
 from tandem.protocol import encode_chat
 from tandem.security import BearerTokenAuth, ServerTLS
 from tandem.telemetry import mark_failed, mark_failed_status, tracer
@@ -185,7 +185,7 @@ class OpenAIFrontEnd:
         healthy = self.router.registry.healthy()
         if not healthy:
             raise HttpError(503, "no healthy worker: " + ", ".join(
-                f"{b.name} ({b.describe()})" for b in self.router.registry.backends.values()))
+                f"{b.name} ({b.describe()})" for b in self.router.registry.workers.values()))
         return JSONResponse({"status": "ok", "healthy_workers": [b.name for b in healthy]})
 
     async def metrics(self, request: Request) -> Response:

@@ -15,16 +15,16 @@ import zlib
 from dataclasses import dataclass, field
 
 from router_svc.output_lengths import OutputLengths
-from router_svc.policy import POLICIES, Decision, NoEligibleWorker, QueuedWork, RouteInput, WorkerView
+from router_svc.policies import POLICIES, NoEligibleWorker, Ranking, RouteInput
 from router_svc.replacement import CHECK_INTERVAL_S, Move, Waiting, candidates, plan_moves
-from router_svc.routing import WorkerReport, build_view
-from router_svc.sim.profiles import WorkerProfile
-from tandem.bench.results import OK, RequestRecord, summarize
-from tandem.bench.workloads import Workload, WorkloadRequest
-from tandem.engine.errors import QueueFullError
+from router_svc.worker_view import QueuedWork, WorkerReport, WorkerView
+from simulator.profiles import WorkerProfile
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.utils import cdiv
+from tandem.errors import QueueFullError
+from tandem.loadgen.results import OK, RequestRecord, summarize
+from tandem.loadgen.workloads import Workload, WorkloadRequest
 
 _TOKEN_SPACE = 1 << 20
 
@@ -55,8 +55,8 @@ class SimWorker:
         self.max_running = 0
 
     def view(self, prompt_token_ids: tuple[int, ...]) -> WorkerView:
-        cached = self.scheduler.pool.cached_prefix(prompt_token_ids)
-        return build_view(self.report(), cached.tokens, cached_evictable_tokens=cached.evictable_tokens)
+        cached = self.scheduler.cached_prefix(prompt_token_ids)
+        return WorkerView.of(self.report(), cached.tokens, cached_evictable_tokens=cached.evictable_tokens)
 
     def report(self) -> WorkerReport:
         rates, pool = self.rates, self.scheduler.pool
@@ -141,7 +141,7 @@ class SimResult:
     policy: str
     workers: dict[str, WorkerProfile]
     records: list[RequestRecord]
-    decisions: list[tuple[str, Decision]] = field(default_factory=list)
+    decisions: list[tuple[str, Ranking]] = field(default_factory=list)
     worker_stats: dict[str, dict] = field(default_factory=dict)
     moves: list[tuple[str, Move]] = field(default_factory=list)
 
@@ -283,7 +283,7 @@ def _replace_waiting(workers: list[SimWorker], lengths: OutputLengths, pending: 
     for entry in considered:
         prompt = pending[entry.request_id].request.prompt_token_ids
         for name in reports.keys() - entry.excluded - {entry.worker}:
-            prefix = by_name[name].scheduler.pool.cached_prefix(prompt)
+            prefix = by_name[name].scheduler.cached_prefix(prompt)
             cached[entry.request_id, name] = (prefix.tokens, prefix.evictable_tokens)
     for entry, move in plan_moves(considered, reports, {}, cached, now):
         source, target = by_name[entry.worker], by_name[move.to_worker]

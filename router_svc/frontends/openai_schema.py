@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tandem.engine.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError
 from tandem.protocol import CHAT_ROLES
 
 MAX_STOP_STRINGS = 16

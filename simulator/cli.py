@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 
-from router_svc.policy import DEFAULT_POLICY, POLICIES
-from router_svc.sim.profiles import PROFILES, fetch_worker_profiles
-from router_svc.sim.simulator import simulate
-from tandem.bench.results import records_json
-from tandem.bench.workloads import add_workload_arguments, build_workload
+from router_svc.policies import DEFAULT_POLICY, POLICIES
+from simulator.profiles import PROFILES, fetch_worker_profiles
+from simulator.simulator import simulate
+from tandem.loadgen.results import records_json
+from tandem.loadgen.workloads import add_workload_arguments, build_workload
 
 DEFAULT_VOCAB_SIZE = 32000  # token ids only key the prefix cache in simulation
 

@@ -1,7 +1,8 @@
 """Routing policies: pure functions of the workers' views plus the request.
 
 Each policy scores every eligible worker (lower is better) and picks the minimum; ties go to the
-faster worker (higher decode rate, then higher prefill rate), then to the name for determinism.
+faster worker (higher decode rate, then higher prefill rate), then to the name for determinism. ``route``
+turns a policy's ranking into the ``RoutingDecision`` record, every known worker listed.
 """
 
 from __future__ import annotations
@@ -9,71 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
-
-@dataclass(frozen=True)
-class QueuedWork:
-    """One request's remaining work on a worker: as reported, or ``credited`` by the router (dispatched, and
-    not in the worker's report yet). ``cached_tokens``: for a waiting request, the prompt tokens it counts
-    on the prefix cache for."""
-
-    running: bool
-    prefill_tokens: int
-    decode_tokens: int
-    credited: bool = False
-    request_id: str = ""
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """What the router knows about one worker when it decides.
-
-    ``queue`` is every request on the worker, in-flight credit included; the totals are derived from it.
-    ``step_*`` is the worker's fitted step-time model. ``cached_evictable_tokens``: of ``cached_tokens``,
-    those in blocks no request holds. ``kv_blocks_*``: the worker's KV cache, in blocks of ``block_size``
-    tokens (total 0: unknown, and the policies ignore KV capacity).
-    """
-
-    name: str
-    kind: str
-    cached_tokens: int
-    max_active_requests: int
-    prefill_tok_s: float
-    decode_tok_s: float
-    step_base_s: float = 0.0
-    step_per_prefill_token_s: float = 0.0
-    step_per_decode_s: float = 0.0
-    max_num_batched_tokens: int = 512
-    queue: tuple[QueuedWork, ...] = ()
-    device: str = ""
-    state_source: str = "estimate"
-    cached_evictable_tokens: int = 0
-    block_size: int = 16
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_cached: int = 0
-
-    @cached_property
-    def num_running(self) -> int:
-        return sum(1 for work in self.queue if work.running)
-
-    @cached_property
-    def num_waiting(self) -> int:
-        return len(self.queue) - self.num_running
-
-    @cached_property
-    def pending_prefill_tokens(self) -> int:
-        return sum(work.prefill_tokens for work in self.queue)
-
-    @cached_property
-    def pending_decode_tokens(self) -> int:
-        return sum(work.decode_tokens for work in self.queue)
-
-    @cached_property
-    def inflight_requests(self) -> int:
-        return sum(1 for work in self.queue if work.credited)
+from router_svc.failover import Failover, WorkerStatus
+from router_svc.worker_view import WorkerView
+from tandem.decision import RoutingDecision, WorkerScore
 
 
 @dataclass(frozen=True)
@@ -109,7 +49,9 @@ class Score:
 
 
 @dataclass(frozen=True)
-class Decision:
+class Ranking:
+    """A policy's choice, and every worker's score, best first."""
+
     policy: str
     chosen: str
     scores: tuple[Score, ...] = field(default_factory=tuple)
@@ -134,19 +76,20 @@ def play_evictions(view: WorkerView, request: RouteInput) -> Evictions:
     requests ahead of it have not needed to evict: a hit that queued work will evict first is no hit,
     and its tokens are prefilled instead.
     """
+    report = view.report
     prefill = [work.prefill_tokens for work in view.queue]
-    if not view.kv_blocks_total:
+    if not report.kv_blocks_total:
         return Evictions(tuple(prefill), view.cached_tokens)
-    spare = view.kv_blocks_total - view.kv_blocks_used - view.kv_blocks_cached
+    spare = report.kv_blocks_total - report.kv_blocks_used - report.kv_blocks_cached
     demand = 0
 
     def evicted(cached_tokens: int) -> int:
-        return min(cached_tokens, max(0, demand - spare) * view.block_size)
+        return min(cached_tokens, max(0, demand - spare) * report.block_size)
 
     for index, work in enumerate(view.queue):
         if not work.running:
             prefill[index] += evicted(work.cached_tokens)
-        demand += _blocks(prefill[index] + request.expected_remaining(work.decode_tokens), view.block_size)
+        demand += _blocks(prefill[index] + request.expected_remaining(work.decode_tokens), report.block_size)
     return Evictions(tuple(prefill), view.cached_tokens - evicted(view.cached_evictable_tokens))
 
 
@@ -158,8 +101,8 @@ def cost_score(view: WorkerView, request: RouteInput) -> Score:
     prefill_tokens = sum(evictions.prefill_tokens) + max(0, request.prompt_tokens - evictions.cached_tokens)
     decode_tokens = sum(request.expected_remaining(work.decode_tokens) for work in view.queue) \
         + request.expected_output
-    prefill_s = prefill_tokens / view.prefill_tok_s
-    decode_s = decode_tokens / view.decode_tok_s
+    prefill_s = prefill_tokens / view.report.prefill_tok_s
+    decode_s = decode_tokens / view.report.decode_tok_s
     return Score(view.name, prefill_s + decode_s, prefill_s, decode_s)
 
 
@@ -190,10 +133,11 @@ def queued_finish_time(view: WorkerView, request_id: str, request: RouteInput) -
 def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | None) -> float:
     """Seconds until the target finishes: the queue entry at ``queued_index``, or (None) ``request``
     appended as a new arrival."""
-    slots = max(1, view.max_active_requests)
-    chunk_limit = max(1, view.max_num_batched_tokens)
-    capacity = view.kv_blocks_total or math.inf
-    held_each = view.kv_blocks_used / max(1, view.num_running)
+    report = view.report
+    slots = max(1, report.max_active_requests)
+    chunk_limit = max(1, report.max_num_batched_tokens)
+    capacity = report.kv_blocks_total or math.inf
+    held_each = report.kv_blocks_used / max(1, view.num_running)
     # each entry: [prefill tokens left, decode tokens left, KV blocks held once running]
     evictions = play_evictions(view, request)
     running, waiting = [], []
@@ -202,12 +146,12 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
         if work.running:
             running.append([prefill, decode, held_each])
         else:
-            waiting.append([prefill, decode, _blocks(prefill + decode, view.block_size)])
+            waiting.append([prefill, decode, _blocks(prefill + decode, report.block_size)])
         if index == queued_index:
             target = (running if work.running else waiting)[-1]
     if queued_index is None:
         uncached = max(1, request.prompt_tokens - evictions.cached_tokens)
-        target = [uncached, request.expected_output, _blocks(uncached + request.expected_output, view.block_size)]
+        target = [uncached, request.expected_output, _blocks(uncached + request.expected_output, report.block_size)]
         waiting.append(target)
     held = sum(work[2] for work in running)
     clock = 0.0
@@ -217,7 +161,7 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
             running.append(waiting.pop(0))
         if all(work[0] == 0 for work in running):
             steps = min(work[1] for work in running)  # only decodes: jump to the next completion
-            clock += steps * (view.step_base_s + view.step_per_decode_s * len(running))
+            clock += steps * (report.step_base_s + report.step_per_decode_s * len(running))
             for work in running:
                 work[1] -= steps
         else:
@@ -239,7 +183,7 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
                     work[0] -= chunk
                     if work[0] == 0:
                         work[1] -= 1  # the last prefill chunk samples the first token
-            clock += view.step_base_s + view.step_per_prefill_token_s * prefill_tokens + view.step_per_decode_s * decodes
+            clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens + report.step_per_decode_s * decodes
         if target[1] <= 0:
             return clock
         held -= sum(work[2] for work in running if work[1] <= 0)
@@ -263,20 +207,20 @@ def gpu_only_score(view: WorkerView, request: RouteInput) -> Score:
 
 
 def _faster_first(view: WorkerView) -> tuple:
-    return (-view.decode_tok_s, -view.prefill_tok_s, view.name)
+    return (-view.report.decode_tok_s, -view.report.prefill_tok_s, view.name)
 
 
-def _choose(policy: str, views: Sequence[WorkerView], scores: list[Score]) -> Decision:
+def _choose(policy: str, views: Sequence[WorkerView], scores: list[Score]) -> Ranking:
     by_name = {view.name: view for view in views}
     ranked = sorted(scores, key=lambda s: (s.score, *_faster_first(by_name[s.worker])))
     finite = [s for s in ranked if math.isfinite(s.score)]
     if not finite:
         raise NoEligibleWorker(f"policy {policy} found no eligible worker")
-    return Decision(policy, finite[0].worker, tuple(ranked))
+    return Ranking(policy, finite[0].worker, tuple(ranked))
 
 
 def _scored(policy: str, score: Callable[[WorkerView, RouteInput], Score]):
-    def decide(views: Sequence[WorkerView], request: RouteInput) -> Decision:
+    def decide(views: Sequence[WorkerView], request: RouteInput) -> Ranking:
         if not views:
             raise NoEligibleWorker("no healthy worker")
         return _choose(policy, views, [score(view, request) for view in views])
@@ -284,20 +228,20 @@ def _scored(policy: str, score: Callable[[WorkerView, RouteInput], Score]):
     return decide
 
 
-def round_robin(views: Sequence[WorkerView], request: RouteInput) -> Decision:
+def round_robin(views: Sequence[WorkerView], request: RouteInput) -> Ranking:
     if not views:
         raise NoEligibleWorker("no healthy worker")
     ordered = sorted(views, key=lambda v: v.name)
     chosen = ordered[request.sequence % len(ordered)].name
     scores = tuple(Score(v.name, 0.0 if v.name == chosen else 1.0) for v in ordered)
-    return Decision("round_robin", chosen, tuple(sorted(scores, key=lambda s: s.score)))
+    return Ranking("round_robin", chosen, tuple(sorted(scores, key=lambda s: s.score)))
 
 
 class NoEligibleWorker(RuntimeError):
     """No worker can take the request under this policy."""
 
 
-POLICIES: dict[str, Callable[[Sequence[WorkerView], RouteInput], Decision]] = {
+POLICIES: dict[str, Callable[[Sequence[WorkerView], RouteInput], Ranking]] = {
     "cost": _scored("cost", cost_score),
     "finish_time": _scored("finish_time", finish_time_score),
     "round_robin": round_robin,
@@ -305,4 +249,33 @@ POLICIES: dict[str, Callable[[Sequence[WorkerView], RouteInput], Decision]] = {
     "cache_aware": _scored("cache_aware", cache_aware_score),
     "gpu_only": _scored("gpu_only", gpu_only_score),
 }
-DEFAULT_POLICY = "finish_time"  # by evidence: make bench-matrix (README)
+DEFAULT_POLICY = "finish_time"  # by evidence: make bench-matrix (docs/benchmarks.md)
+
+
+def route(policy: str, request: RouteInput, views: Sequence[WorkerView], workers: Sequence[WorkerStatus],
+          failover: Failover, length_key: str = "") -> RoutingDecision:
+    """Choose a worker among ``views`` by ``policy``; every other worker in ``workers`` is listed as ineligible.
+
+    Raises:
+        RoutingError: no worker can take the request.
+    """
+    try:
+        decision = POLICIES[policy](views, request)
+    except NoEligibleWorker as exc:
+        raise failover.unroutable(str(exc), workers) from None
+    by_name = {view.name: view for view in views}
+    scores = [_score(by_name[s.worker], s, policy) for s in decision.scores]
+    for worker in workers:
+        if worker.name not in by_name:
+            failure = failover.failures.get(worker.name)
+            scores.append(WorkerScore(worker.name, worker.kind, eligible=False,
+                                      reason=str(failure) if failure else worker.status))
+    return RoutingDecision(policy, decision.chosen, request.prompt_tokens, request.max_new_tokens, tuple(scores),
+                           failover.failed_workers, request.expected_output, length_key)
+
+
+def _score(view: WorkerView, score: Score, policy: str) -> WorkerScore:
+    eligible = math.isfinite(score.score)
+    return WorkerScore(view.name, view.kind, eligible, reason="" if eligible else f"excluded by policy {policy}",
+                       score_s=score.score if eligible else 0.0, prefill_s=score.prefill_s, decode_s=score.decode_s,
+                       **view.score_parts())

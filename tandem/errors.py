@@ -1,4 +1,4 @@
-"""Errors the engine raises at its API; the gRPC edge maps each to one status code."""
+"""Errors raised at the API of an engine or the router; each gRPC or HTTP edge maps each to one status code."""
 
 
 class InvalidRequestError(ValueError):

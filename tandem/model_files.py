@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -109,23 +108,6 @@ def _download_from_hub(repo_id: str) -> Path:
             f"model {repo_id!r} is neither a local directory nor a .gguf file, and the hub download failed "
             f"({type(exc).__name__}: {exc})"
         ) from exc
-
-
-def load_tensors(model_dir: Path) -> dict:
-    """Every tensor of the checkpoint in ``model_dir`` (single or sharded safetensors)."""
-    from safetensors.torch import load_file
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    tensors: dict = {}
-    for name in files:
-        tensors.update(load_file(model_dir / name))
-    return tensors
 
 
 def model_fingerprint(model_dir: Path) -> str:

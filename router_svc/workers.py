@@ -9,17 +9,16 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from opentelemetry.trace import SpanKind
 
 from router_svc import metrics
-from router_svc.policy import QueuedWork, WorkerView
+from router_svc.errors import Status, WorkerCallFailed
 from router_svc.prefix_index import PrefixIndex, PromptBlocks
 from router_svc.probes import ProbeStream
-from router_svc.routing import Credit, Status, WorkerCallFailed, WorkerReport, build_view
+from router_svc.worker_view import Credit, WorkerReport, WorkerView
+from tandem.protocol import WORKER_KINDS
 from tandem.security import ClientTLS, aio_channel
 from tandem.telemetry import child_span, mark_failed, outgoing_metadata, tracer
-from tandem.protocol import WORKER_KINDS
 from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class WorkerAddress:
 STATIC = "static"
 
 
-class Backend:
+class Worker:
     """One worker: a channel, a WatchState subscription with reconnection (its snapshots and its prefix
     cache's hash index), and the router's accounting.
 
@@ -62,7 +61,7 @@ class Backend:
     left (``leaving``) gets no new requests and stays until its in-flight streams end.
     """
 
-    def __init__(self, address: WorkerAddress, registry: "BackendRegistry", source: str = STATIC):
+    def __init__(self, address: WorkerAddress, registry: "WorkerRegistry", source: str = STATIC):
         self.address = address
         self.name = address.name
         self.kind = address.kind
@@ -129,30 +128,18 @@ class Backend:
         (which must be synced), plus credit."""
         report = self.report(self.state)
         cached, evictable = self.prefix_index.cached(prompt, report.block_size)
-        return build_view(report, cached, self.credits.values(), "index", evictable)
+        return WorkerView.of(report, cached, self.credits.values(), "index", evictable)
 
     def view(self, estimate: common_pb2.BackendState | None) -> WorkerView:
         """This worker's view for a policy: the fresh estimate (or the latest snapshot) plus credit."""
         report = self.report(estimate if estimate is not None else self.state)
         if estimate is None:
-            return build_view(report, 0, self.credits.values(), "snapshot")
-        return build_view(report, estimate.cached_tokens, self.credits.values(), "estimate",
+            return WorkerView.of(report, 0, self.credits.values(), "snapshot")
+        return WorkerView.of(report, estimate.cached_tokens, self.credits.values(), "estimate",
                           estimate.cached_tokens_evictable)
 
     def report(self, state: common_pb2.BackendState) -> WorkerReport:
-        rates = state.rates
-        return WorkerReport(
-            name=self.name, kind=self.kind, device=state.device,
-            requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens, request_id=r.request_id,
-                                      cached_tokens=r.cached_tokens)
-                           for r in state.requests),
-            max_active_requests=state.max_active_requests, max_num_batched_tokens=self.info.max_num_batched_tokens,
-            prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
-            step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
-            step_per_decode_s=rates.step_per_decode_s, block_size=state.block_size or 16,
-            kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
-            kv_blocks_cached=state.kv_blocks_cached,
-        )
+        return WorkerReport.from_state(self.name, self.kind, state, self.info.max_num_batched_tokens)
 
     def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span) -> "WorkerCall":
         """Start a Generate call on this worker now; iterate the result for its responses."""
@@ -220,13 +207,13 @@ class WorkerCall:
     cancels the call (leaving the loop does not cancel a grpc.aio call) and ends the span.
     """
 
-    def __init__(self, backend: Backend, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span):
-        self.worker = backend.name
+    def __init__(self, worker: Worker, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span):
+        self.worker = worker.name
         self.span = child_span(_tracer, parent_span, "tandem.v1.Worker/Generate", SpanKind.CLIENT, {
             "rpc.system": "grpc", "rpc.service": "tandem.v1.Worker", "rpc.method": "Generate",
-            "server.address": backend.address.host, "server.port": backend.address.port, "tandem.worker": backend.name,
+            "server.address": worker.address.host, "server.port": worker.address.port, "tandem.worker": worker.name,
         })
-        self._call = backend.stub.Generate(request, timeout=timeout, metadata=outgoing_metadata(self.span))
+        self._call = worker.stub.Generate(request, timeout=timeout, metadata=outgoing_metadata(self.span))
         self._responses = self._call.__aiter__()
 
     def __aiter__(self) -> "WorkerCall":
@@ -249,11 +236,11 @@ class WorkerCall:
         self.span.end()
 
 
-async def probe_all(backends: list[Backend], prompt_token_ids: list[int],
+async def probe_all(workers: list[Worker], prompt_token_ids: list[int],
                     deadline_s: float) -> list[common_pb2.BackendState | None]:
-    """Estimate from every backend at once; None for each that did not answer within ``deadline_s``."""
+    """Estimate from every worker at once; None for each that did not answer within ``deadline_s``."""
     request = worker_pb2.EstimateRequest(prompt_token_ids=prompt_token_ids)
-    answers = [backend.probe(request) for backend in backends]
+    answers = [worker.probe(request) for worker in workers]
     try:
         if answers:
             await asyncio.wait(answers, timeout=deadline_s)
@@ -261,13 +248,13 @@ async def probe_all(backends: list[Backend], prompt_token_ids: list[int],
         for answer in answers:
             answer.cancel()  # does nothing to an answered probe; a late answer is read and dropped
     estimates = [None if answer.cancelled() else answer.result() for answer in answers]
-    for backend, state in zip(backends, estimates):
+    for worker, state in zip(workers, estimates):
         if state is not None:
-            backend.update(state)
+            worker.update(state)
     return estimates
 
 
-class BackendRegistry:
+class WorkerRegistry:
     """The workers: those configured with ``--worker`` and those discovery finds while the router runs.
 
     Only workers whose model fingerprint equals the reference are routed to. A worker that leaves is taken
@@ -285,18 +272,18 @@ class BackendRegistry:
         names = [a.name for a in addresses]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique: {names}")
-        self.backends = {address.name: Backend(address, self) for address in addresses}
-        self.draining: set[Backend] = set()
+        self.workers = {address.name: Worker(address, self) for address in addresses}
+        self.draining: set[Worker] = set()
         self.reference_fingerprint = reference_fingerprint
-        self._watches: dict[Backend, asyncio.Task] = {}
+        self._watches: dict[Worker, asyncio.Task] = {}
         self._discoveries: list[asyncio.Task] = []
         self._started = False
 
     def start(self, discoveries=()) -> None:
         """Watch every configured worker, and run each discovery (an object with ``async run(registry)``)."""
         self._started = True
-        for backend in self.backends.values():
-            self._watch(backend)
+        for worker in self.workers.values():
+            self._watch(worker)
         self._count_members()
         self._discoveries = [asyncio.create_task(d.run(self), name=f"discover-{d.source}") for d in discoveries]
 
@@ -305,86 +292,86 @@ class BackendRegistry:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        backends = [*self.backends.values(), *self.draining]
-        for backend in backends:
-            backend.close_probes()
-        await asyncio.gather(*(b.channel.close() for b in backends))
+        workers = [*self.workers.values(), *self.draining]
+        for worker in workers:
+            worker.close_probes()
+        await asyncio.gather(*(b.channel.close() for b in workers))
 
     def reconcile(self, source: str, addresses: list[WorkerAddress]) -> None:
         """Make the workers found by ``source`` exactly ``addresses``: new ones join, missing ones leave."""
         wanted = {address.name: address for address in addresses}
-        for backend in [b for b in self.backends.values() if b.source == source]:
-            if backend.address != wanted.get(backend.name):
-                self.leave(backend)
+        for worker in [b for b in self.workers.values() if b.source == source]:
+            if worker.address != wanted.get(worker.name):
+                self.leave(worker)
         for name, address in wanted.items():
-            present = self.backends.get(name)
+            present = self.workers.get(name)
             if present is None:
                 self.join(address, source)
             elif present.source != source:
                 logger.warning("%s found worker %s at %s, but %s already has that name; skipped", source, name,
                                address.address, present.source)
 
-    def join(self, address: WorkerAddress, source: str) -> Backend:
-        backend = Backend(address, self, source)
-        self.backends[address.name] = backend
+    def join(self, address: WorkerAddress, source: str) -> Worker:
+        worker = Worker(address, self, source)
+        self.workers[address.name] = worker
         logger.info("worker %s (%s) at %s joined (%s)", address.name, address.kind, address.address, source)
         metrics.MEMBERSHIP_CHANGES.labels(source, "join").inc()
         if self._started:
-            self._watch(backend)
+            self._watch(worker)
         self._count_members()
-        return backend
+        return worker
 
-    def leave(self, backend: Backend) -> None:
-        """No new requests for ``backend``; it is closed once its in-flight streams have ended."""
-        del self.backends[backend.name]
-        backend.leaving = True
-        self.draining.add(backend)
-        logger.info("worker %s at %s left (%s); %d streams in flight finish on it", backend.name,
-                    backend.address.address, backend.source, len(backend.credits))
-        metrics.MEMBERSHIP_CHANGES.labels(backend.source, "leave").inc()
+    def leave(self, worker: Worker) -> None:
+        """No new requests for ``worker``; it is closed once its in-flight streams have ended."""
+        del self.workers[worker.name]
+        worker.leaving = True
+        self.draining.add(worker)
+        logger.info("worker %s at %s left (%s); %d streams in flight finish on it", worker.name,
+                    worker.address.address, worker.source, len(worker.credits))
+        metrics.MEMBERSHIP_CHANGES.labels(worker.source, "leave").inc()
         self._count_members()
-        if not backend.credits:
-            self.drained(backend)
+        if not worker.credits:
+            self.drained(worker)
 
-    def drained(self, backend: Backend) -> None:
-        self.draining.discard(backend)
-        watch = self._watches.pop(backend, None)
+    def drained(self, worker: Worker) -> None:
+        self.draining.discard(worker)
+        watch = self._watches.pop(worker, None)
         if watch is not None:
             watch.cancel()
-        backend.close_probes()
-        asyncio.get_running_loop().create_task(backend.channel.close())
+        worker.close_probes()
+        asyncio.get_running_loop().create_task(worker.channel.close())
 
-    def listed(self) -> list[Backend]:
+    def listed(self) -> list[Worker]:
         """Every worker, leaving ones included, as ListBackends shows them."""
-        return [*self.backends.values(), *self.draining]
+        return [*self.workers.values(), *self.draining]
 
-    def register_fingerprint(self, backend: Backend) -> None:
-        fingerprint = backend.info.model_fingerprint
+    def register_fingerprint(self, worker: Worker) -> None:
+        fingerprint = worker.info.model_fingerprint
         if self.reference_fingerprint is None:
             self.reference_fingerprint = fingerprint
         elif fingerprint != self.reference_fingerprint:
             logger.error("worker %s serves a different model (fingerprint %s, expected %s); not routing to it",
-                         backend.name, fingerprint[:12], self.reference_fingerprint[:12])
-            metrics.WORKERS_REFUSED.labels(backend.source, "fingerprint").inc()
+                         worker.name, fingerprint[:12], self.reference_fingerprint[:12])
+            metrics.WORKERS_REFUSED.labels(worker.source, "fingerprint").inc()
 
-    def fingerprint_matches(self, backend: Backend) -> bool:
-        return backend.info is not None and backend.info.model_fingerprint == self.reference_fingerprint
+    def fingerprint_matches(self, worker: Worker) -> bool:
+        return worker.info is not None and worker.info.model_fingerprint == self.reference_fingerprint
 
-    def healthy(self) -> list[Backend]:
-        return [b for b in self.backends.values() if b.healthy]
+    def healthy(self) -> list[Worker]:
+        return [b for b in self.workers.values() if b.healthy]
 
     def model_limits(self) -> tuple[int, int] | None:
         """(tokens a request may span, vocabulary size) of the served model, as its workers report them: the
         context length, or less where no worker's KV cache holds that many; None before any worker reported."""
-        infos = [b.info for b in self.backends.values() if b.info is not None and self.fingerprint_matches(b)]
+        infos = [b.info for b in self.workers.values() if b.info is not None and self.fingerprint_matches(b)]
         if not infos:
             return None
         largest_cache = max(info.kv_blocks_total * info.block_size for info in infos)
         return min(min(info.context_length for info in infos), largest_cache), min(info.vocab_size for info in infos)
 
-    def _watch(self, backend: Backend) -> None:
-        self._watches[backend] = asyncio.create_task(backend.watch(), name=f"watch-{backend.name}")
+    def _watch(self, worker: Worker) -> None:
+        self._watches[worker] = asyncio.create_task(worker.watch(), name=f"watch-{worker.name}")
 
     def _count_members(self) -> None:
         for kind in WORKER_KINDS:
-            metrics.WORKERS.labels(kind).set(sum(b.kind == kind for b in self.backends.values()))
+            metrics.WORKERS.labels(kind).set(sum(b.kind == kind for b in self.workers.values()))

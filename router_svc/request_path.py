@@ -14,13 +14,15 @@ from dataclasses import dataclass
 
 from router_svc import metrics
 from router_svc.admission import Admission
-from router_svc.backends import BackendRegistry, probe_all
+from router_svc.errors import RoutingError, Status, WorkerCallFailed
+from router_svc.failover import Failover, WorkerStatus
 from router_svc.output_lengths import OutputLengths
-from router_svc.policy import RouteInput, WorkerView
+from router_svc.policies import RouteInput, route
 from router_svc.prefix_index import PromptBlocks
 from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, Waiting
 from router_svc.replacer import Replacer
-from router_svc.routing import Failover, RoutingError, Status, WorkerCallFailed, WorkerStatus, route
+from router_svc.worker_view import WorkerView
+from router_svc.workers import WorkerRegistry, probe_all
 from tandem.decision import RoutingDecision
 from tandem.telemetry import child_span, mark_failed, mark_failed_status, tracer
 from tandem.v1 import common_pb2, worker_pb2
@@ -72,7 +74,7 @@ class Router:
     workers are checked for a move (``router_svc.replacement``); 0 never moves one.
     """
 
-    def __init__(self, registry: BackendRegistry, admission: Admission, probe_deadline_s: float,
+    def __init__(self, registry: WorkerRegistry, admission: Admission, probe_deadline_s: float,
                  replace_interval_s: float = CHECK_INTERVAL_S):
         self.registry = registry
         self.admission = admission
@@ -95,7 +97,7 @@ class Router:
             moves: list[Move] = []
             while True:
                 decision = await self.decide(request, span, failover, moves)
-                backend = self.registry.backends.get(decision.chosen_worker)
+                backend = self.registry.workers.get(decision.chosen_worker)
                 if backend is None:  # it left the pool while the decision was made
                     failover.after_failure(WorkerCallFailed(decision.chosen_worker, Status.UNAVAILABLE, "left the pool"), 0)
                     continue
@@ -197,7 +199,7 @@ class Router:
                           lengths.expected_tokens(request.length_key, request.max_new_tokens), lengths.fraction())
 
     def _workers(self) -> list[WorkerStatus]:
-        return [WorkerStatus(b.name, b.kind, b.describe()) for b in self.registry.backends.values()]
+        return [WorkerStatus(b.name, b.kind, b.describe()) for b in self.registry.workers.values()]
 
 
 def _excluded(failover: Failover, moves) -> set[str]:

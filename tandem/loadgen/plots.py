@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandem.bench.results import OK, RequestRecord
+from tandem.loadgen.results import OK, RequestRecord
 
 
 def _pyplot():

@@ -1,4 +1,4 @@
-"""The tandem.v1.Router servicer: the gRPC front end of the router's request path (``router_svc.router``)."""
+"""The tandem.v1.Router servicer: the gRPC front end of the router's request path (``router_svc.request_path``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import uuid
 import grpc
 
 from router_svc import metrics
+from router_svc.errors import RoutingError
 from router_svc.output_lengths import check_length_key
-from router_svc.policy import POLICIES
-from router_svc.router import RoutedRequest, Router
-from router_svc.routing import RoutingError
+from router_svc.policies import POLICIES
+from router_svc.request_path import RoutedRequest, Router
 from tandem.decision import RoutingDecision
-from tandem.engine.errors import InvalidRequestError
+from tandem.errors import InvalidRequestError
 from tandem.protocol import decision_message, prompt_token_ids, sampling_params
 from tandem.telemetry import server_span, tracer
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2

@@ -36,9 +36,9 @@ import grpc
 import httpx
 from google.protobuf import json_format
 
-from tandem.bench import plots
-from tandem.bench.results import OK, RequestRecord, records_json, summarize, write_json
-from tandem.bench.workloads import Workload, WorkloadRequest, add_workload_arguments, build_workload
+from tandem.loadgen import plots
+from tandem.loadgen.results import OK, RequestRecord, records_json, summarize, write_json
+from tandem.loadgen.workloads import Workload, WorkloadRequest, add_workload_arguments, build_workload
 from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 RESULTS_DIR = Path("bench/results")

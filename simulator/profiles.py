@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tandem.engine.config import SchedulerConfig
-from tandem.engine.rates import RateTracker, Rates, StepSample
+from tandem.engine.rates import Rates, RateTracker, StepSample
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def fetch_worker_profiles(specs: list[str], timeout_s: float = 10.0) -> dict[str
     """Profiles of running workers given as ``NAME=KIND@HOST:PORT`` (the router's worker syntax)."""
     import grpc
 
-    from router_svc.backends import WorkerAddress
+    from router_svc.workers import WorkerAddress
     from tandem.v1 import worker_pb2, worker_pb2_grpc
 
     profiles = {}
