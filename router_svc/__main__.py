@@ -13,6 +13,7 @@ from router_svc.admission import Admission
 from router_svc.config import RouterConfig, parse_config
 from router_svc.frontends.grpc import RouterServicer
 from router_svc.frontends.openai import OpenAIFrontEnd, ServedModel, http_server
+from router_svc.frontends.preparation import Preparation
 from router_svc.request_path import Router
 from router_svc.workers import WorkerRegistry
 from tandem.security import BearerTokenAuth
@@ -47,7 +48,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     ])
     router = Router(registry, Admission(config.max_inflight, config.max_queued, config.queue_timeout_s),
                     config.probe_deadline_ms / 1000, config.replace_interval_s)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, config.policy), service.server)
+    preparation = Preparation(config.policy, registry.model_limits)
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, preparation), service.server)
     serve_metrics(config.host, config.metrics_port)
     registry.start([discovery.build(spec, config.discovery) for spec in config.discover])
     await service.server.start()
@@ -55,7 +57,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     if config.http_port:
         front_end = OpenAIFrontEnd(router, tokenizer, ServedModel(model_name(config.model), config.served_model_names,
                                                                   int(time.time())),
-                                   config.policy, BearerTokenAuth(config.auth_tokens) if config.auth_tokens else None)
+                                   preparation, BearerTokenAuth(config.auth_tokens) if config.auth_tokens else None)
         http = http_server(front_end, config.host, config.http_port, config.tls, GRACE_S)
         http_task = asyncio.create_task(http.serve(), name="http")
         while not http.started:  # a port it cannot bind ends the process, as uvicorn does

@@ -13,17 +13,29 @@ The check runs for all waiting requests at once, every ``CHECK_INTERVAL_S``: eac
 requests (as many as it runs at once, in its queue order) are the candidates, every worker is asked once
 for its state and its cache's hold on the candidates' prompts, and the candidates are considered in turn
 (``plan_moves``), each seeing the moves decided before it, so that one worker freeing up does not draw
-every waiting request at once.
+every waiting request at once. ``Replacer`` runs that round in the router, over the workers' latest
+snapshots and their prefix indexes, asking no worker.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from router_svc.output_lengths import OutputLengths
 from router_svc.policies import RouteInput, finish_time_score, queued_finish_time
 from router_svc.worker_view import Credit, WorkerReport, WorkerView
+
+if TYPE_CHECKING:
+    from router_svc.request_path import RoutedRequest
+    from router_svc.workers import WorkerRegistry
+
+logger = logging.getLogger(__name__)
 
 MAX_MOVES = 2
 MOVE_MARGIN = 0.2
@@ -135,3 +147,87 @@ def plan_moves(round_candidates: Sequence[Waiting], reports: Mapping[str, Worker
             uncached = entry.request.prompt_tokens - cached[entry.request_id, move.to_worker][0]
             added[move.to_worker].append(Credit(entry.request_id, max(0, uncached), entry.request.max_new_tokens))
     return moves
+
+
+@dataclass
+class _Entry:
+    request: RoutedRequest
+    worker: str
+    placed_s: float
+    placed_at: float
+    moves: int
+    excluded: frozenset[str]
+    moved: asyncio.Future
+
+    def waiting(self, lengths: OutputLengths) -> Waiting:
+        """The request as a candidate now, priced with the output lengths learned so far."""
+        return Waiting(self.request.request_id, self.request.route_input(lengths), self.worker, self.placed_s,
+                       self.placed_at, self.moves, self.excluded)
+
+
+class Replacer:
+    """Watches the requests waiting on their workers and hands each the move the check decides for it."""
+
+    def __init__(self, registry: WorkerRegistry, interval_s: float, output_lengths: OutputLengths):
+        self.registry = registry
+        self.interval_s = interval_s
+        self.output_lengths = output_lengths
+        self._entries: dict[str, _Entry] = {}
+        self._task: asyncio.Task | None = None
+
+    async def first_response_or_move(self, call, request: RoutedRequest, worker: str, placed_s: float,
+                                     placed_at: float, moves: int, excluded: frozenset[str]):
+        """Waits for the call's first response while the request, placed on ``worker`` with a finish estimate
+        of ``placed_s`` at ``placed_at``, is a candidate for moves (``Waiting``). Returns ([the first
+        response], None), ([], None) when the call ended without one, or ([], the move) with the call still
+        unanswered."""
+        moved = asyncio.get_running_loop().create_future()
+        self._entries[request.request_id] = _Entry(request, worker, placed_s, placed_at, moves, excluded, moved)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="replacement-check")
+        first = asyncio.ensure_future(_next_response(call))
+        try:
+            await asyncio.wait({first, moved}, return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                response = first.result()
+                return ([] if response is None else [response]), None
+            return [], moved.result()
+        finally:
+            self._entries.pop(request.request_id, None)
+            first.cancel()
+            moved.cancel()
+
+    async def _run(self) -> None:
+        while self._entries:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.check()
+            except Exception:
+                logger.exception("re-placement check failed; trying again in %.2f s", self.interval_s)
+
+    def check(self) -> None:
+        """One round: the candidates by the workers' latest reports, their prompts looked up in the prefix
+        indexes of the workers they may move to, the moves."""
+        entries = {rid: entry.waiting(self.output_lengths) for rid, entry in self._entries.items()}
+        backends = self.registry.healthy()
+        reports = {b.name: b.report(b.state) for b in backends}
+        considered = candidates(entries, reports)
+        if not considered:
+            return
+        cached = {(entry.request_id, b.name): b.prefix_index.cached(self._entries[entry.request_id].request.prompt_blocks,
+                                                                    reports[b.name].block_size)
+                  for b in backends if b.prefix_index.synced
+                  for entry in considered if entry.worker != b.name and b.name not in entry.excluded}
+        credits = {b.name: list(b.credits.values()) for b in backends}
+        for entry, move in plan_moves(considered, reports, credits, cached, time.monotonic()):
+            waiting = self._entries.get(entry.request_id)
+            if waiting is not None and not waiting.moved.done():
+                waiting.moved.set_result(move)
+
+
+async def _next_response(call):
+    """The call's next response, None at its end."""
+    try:
+        return await call.__anext__()
+    except StopAsyncIteration:
+        return None

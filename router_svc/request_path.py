@@ -1,34 +1,36 @@
-"""The router's request path, shared by every front end: admit, probe, route, proxy the worker's stream,
-fail over. It speaks in routing-core terms (``RoutingDecision``, ``RoutingError``); a front end only
-converts its requests in and its events out."""
+"""The router's request path, shared by every front end, as named stages:
+
+admission -> decide -> attempt on one worker (credit, call, first token or move, proxy, release) -> after a
+failure or a move before the first token, decide again.
+
+It speaks in routing-core terms (``RoutingDecision``, ``RoutingError``); a front end prepares its requests
+(``router_svc.frontends.preparation``) and converts the events out. What is recorded about a request is
+``router_svc.bookkeeping``'s.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from router_svc import metrics
 from router_svc.admission import Admission
+from router_svc.bookkeeping import Bookkeeping
 from router_svc.errors import RoutingError, Status, WorkerCallFailed
 from router_svc.failover import Failover, WorkerStatus
 from router_svc.output_lengths import OutputLengths
 from router_svc.policies import RouteInput, route
 from router_svc.prefix_index import PromptBlocks
-from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, Waiting
-from router_svc.replacer import Replacer
+from router_svc.replacement import CHECK_INTERVAL_S, MAX_MOVES, Move, Replacer
 from router_svc.worker_view import WorkerView
 from router_svc.workers import WorkerRegistry, probe_all
 from tandem.decision import RoutingDecision
 from tandem.telemetry import child_span, mark_failed, mark_failed_status, tracer
 from tandem.v1 import common_pb2, worker_pb2
 
-logger = logging.getLogger(__name__)
-decision_log = logging.getLogger("tandem.router.decisions")
 _tracer = tracer("tandem.router")
 
 
@@ -58,6 +60,11 @@ class RoutedRequest:
     def prompt_blocks(self) -> PromptBlocks:
         return PromptBlocks(self.prompt_token_ids)
 
+    def route_input(self, lengths: OutputLengths, sequence: int = 0) -> RouteInput:
+        """The request as the policies price it now: its expected output as learned so far."""
+        return RouteInput(self.prompt_tokens, self.max_new_tokens, sequence,
+                          lengths.expected_tokens(self.length_key, self.max_new_tokens), lengths.fraction())
+
 
 @dataclass(frozen=True)
 class WorkerOutput:
@@ -65,6 +72,20 @@ class WorkerOutput:
 
     worker: str
     response: worker_pb2.GenerateResponse
+
+
+class Tries:
+    """One request's attempts so far: the workers that failed it, the moves it made, and whether it is done."""
+
+    def __init__(self):
+        self.failover = Failover()
+        self.moves: list[Move] = []
+        self.finished = False
+
+    @property
+    def excluded(self) -> frozenset[str]:
+        """Workers the request is not routed to again: those that failed it and those it moved away from."""
+        return frozenset(self.failover.failures) | {move.from_worker for move in self.moves}
 
 
 class Router:
@@ -79,8 +100,9 @@ class Router:
         self.registry = registry
         self.admission = admission
         self.probe_deadline_s = probe_deadline_s
-        self.replacer = Replacer(registry, replace_interval_s) if replace_interval_s else None
         self.output_lengths = OutputLengths(on_update=metrics.set_output_fraction)
+        self.bookkeeping = Bookkeeping(self.output_lengths)
+        self.replacer = Replacer(registry, replace_interval_s, self.output_lengths) if replace_interval_s else None
         self._sequence = 0
 
     async def generate(self, request: RoutedRequest, span) -> AsyncIterator[RoutingDecision | WorkerOutput]:
@@ -93,79 +115,29 @@ class Router:
         started = time.monotonic()
         await self.admission.acquire()
         try:
-            failover = Failover()
-            moves: list[Move] = []
-            while True:
-                decision = await self.decide(request, span, failover, moves)
-                backend = self.registry.workers.get(decision.chosen_worker)
-                if backend is None:  # it left the pool while the decision was made
-                    failover.after_failure(WorkerCallFailed(decision.chosen_worker, Status.UNAVAILABLE, "left the pool"), 0)
-                    continue
-                self._sequence += 1
-                backend.dispatch(request.request_id, max(0, request.prompt_tokens - decision.chosen.cached_tokens),
-                                 request.max_new_tokens)
-                call = backend.generate(request.worker_request, _remaining(request.deadline), span)
-                placed_at = time.monotonic()
-                streamed, move = 0, None
-                try:
-                    try:  # the worker call is already under way while the decision goes out
-                        yield decision
-                    finally:  # bookkeeping, kept off the way to the first token
-                        decision_log.info(json.dumps(decision.log_record(request.request_id)))
-                        metrics.record_decision(decision)
-                    first: list[worker_pb2.GenerateResponse] = []
-                    if request.policy == "finish_time" and self.replacer is not None and len(moves) < MAX_MOVES:
-                        waiting = Waiting(request.request_id, self._route_input(request), decision.chosen_worker,
-                                          decision.chosen.score_s, placed_at, len(moves),
-                                          frozenset(_excluded(failover, moves)))
-                        first, move = await self.replacer.first_response_or_move(
-                            call, waiting, request.prompt_blocks, lambda: self._route_input(request))
-                    if move is None:
-                        async for response in _chained(first, call):
-                            if response.token_ids and not streamed:
-                                metrics.TTFT.labels(request.frontend).observe(time.monotonic() - started)
-                            streamed += len(response.token_ids)
-                            if response.HasField("result"):
-                                _record_result(span, response.result)
-                                metrics.E2E.labels(request.frontend).observe(time.monotonic() - started)
-                                self.output_lengths.observe(request.length_key, response.result.usage.output_tokens,
-                                                            request.max_new_tokens)
-                            yield WorkerOutput(backend.name, response)
-                        return
-                except WorkerCallFailed as failure:
-                    error = failover.after_failure(failure, streamed)
-                finally:
-                    call.close()  # a withdrawn request is cancelled on its worker, which frees its blocks
-                    backend.release(request.request_id)
-                if move is not None:
-                    moves.append(move)
-                    _record_move(span, request.request_id, move)
-                    continue
-                backend.failed_requests += 1
-                if error is not None:
-                    raise error
-                logger.warning("worker %s failed before the first token (%s); failing over", backend.name,
-                               failover.failures[backend.name])
-                metrics.ROUTING_FAILOVERS.labels(backend.name).inc()
+            tries = Tries()
+            while not tries.finished:
+                decision = await self.decide(request, span, tries)
+                async for event in self._attempt(request, decision, tries, span, started):
+                    yield event
         finally:
             self.admission.release()
 
-    async def decide(self, request: RoutedRequest, parent_span, failover: Failover | None = None,
-                     moves: list[Move] | tuple[Move, ...] = ()) -> RoutingDecision:
+    async def decide(self, request: RoutedRequest, parent_span, tries: Tries | None = None) -> RoutingDecision:
         """Probe every healthy worker not yet failed or left by a move, and route by the request's policy.
 
         Raises:
             RoutingError: no worker can take the request.
         """
-        failover = failover or Failover()
+        tries = tries or Tries()
         route_span = child_span(_tracer, parent_span, "route", attributes={"tandem.routing.policy": request.policy})
         try:
-            views = await self._views(request, _excluded(failover, moves))
-            decision = route(request.policy, self._route_input(request), views, self._workers(), failover,
-                             request.length_key)
-            if moves:
-                decision = dataclasses.replace(decision, moved_from=tuple(m.from_worker for m in moves),
-                                               move_reason=moves[-1].reason)
+            views = await self._views(request, tries.excluded)
+            decision = route(request.policy, request.route_input(self.output_lengths, self._sequence), views,
+                             self._workers(), tries.failover, request.length_key)
+            if tries.moves:
+                decision = dataclasses.replace(decision, moved_from=tuple(m.from_worker for m in tries.moves),
+                                               move_reason=tries.moves[-1].reason)
         except RoutingError as exc:
             mark_failed_status(route_span, exc.status.name, str(exc))
             raise
@@ -179,32 +151,68 @@ class Router:
         finally:
             route_span.end()
 
-    async def _views(self, request: RoutedRequest, excluded: set[str]) -> list[WorkerView]:
+    async def _attempt(self, request: RoutedRequest, decision: RoutingDecision, tries: Tries, span,
+                       started: float) -> AsyncIterator[RoutingDecision | WorkerOutput]:
+        """One try on the chosen worker: credit, call, the decision out, first token or move, proxy, release.
+        Marks ``tries`` finished once the stream ended; returns unfinished after a move or a failover."""
+        worker = self.registry.workers.get(decision.chosen_worker)
+        if worker is None:  # it left the pool while the decision was made
+            tries.failover.after_failure(WorkerCallFailed(decision.chosen_worker, Status.UNAVAILABLE, "left the pool"), 0)
+            return
+        self._sequence += 1
+        worker.dispatch(request.request_id, max(0, request.prompt_tokens - decision.chosen.cached_tokens),
+                        request.max_new_tokens)
+        call = worker.generate(request.worker_request, _remaining(request.deadline), span)
+        placed_at = time.monotonic()
+        self.bookkeeping.decided(request.request_id, decision)  # while the worker call is under way
+        streamed = 0
+        try:
+            yield decision
+            first, move = await self._first_response_or_move(request, decision, tries, call, placed_at)
+            if move is not None:
+                tries.moves.append(move)
+                self.bookkeeping.moved(span, request.request_id, move)
+                return
+            async for response in _chained(first, call):
+                self.bookkeeping.streamed(request, span, response, started, first=not streamed)
+                streamed += len(response.token_ids)
+                yield WorkerOutput(worker.name, response)
+            tries.finished = True
+        except WorkerCallFailed as failure:
+            worker.failed_requests += 1
+            error = tries.failover.after_failure(failure, streamed)
+            if error is not None:
+                raise error from None
+            self.bookkeeping.failed_over(worker.name, failure)
+        finally:
+            call.close()  # a withdrawn request is cancelled on its worker, which frees its blocks
+            worker.release(request.request_id)
+
+    async def _first_response_or_move(self, request: RoutedRequest, decision: RoutingDecision, tries: Tries, call,
+                                      placed_at: float):
+        """([the first response] or [], None), or ([], a move) for a request the re-placement check moves first."""
+        if request.policy != "finish_time" or self.replacer is None or len(tries.moves) >= MAX_MOVES:
+            return [], None
+        return await self.replacer.first_response_or_move(call, request, decision.chosen_worker,
+                                                          decision.chosen.score_s, placed_at, len(tries.moves),
+                                                          tries.excluded)
+
+    async def _views(self, request: RoutedRequest, excluded: frozenset[str]) -> list[WorkerView]:
         """A view of every healthy worker not in ``excluded``: the prompt looked up in the worker's prefix
         index, or, while that index is not synced, a probe of the worker for this prompt."""
-        candidates = [b for b in self.registry.healthy() if b.name not in excluded]
-        unsynced = [b for b in candidates if not b.prefix_index.synced]
+        candidates = [w for w in self.registry.healthy() if w.name not in excluded]
+        unsynced = [w for w in candidates if not w.prefix_index.synced]
         estimates = dict(zip(unsynced, await probe_all(unsynced, request.prompt_token_ids, self.probe_deadline_s)))
         views = []
-        for backend in candidates:
-            if backend not in estimates:
-                views.append(backend.indexed_view(request.prompt_blocks))
-            elif estimates[backend] is None or estimates[backend].serving_state == common_pb2.SERVING_STATE_SERVING:
-                views.append(backend.view(estimates[backend]))
+        for worker in candidates:
+            if worker not in estimates:
+                views.append(worker.indexed_view(request.prompt_blocks))
+            elif estimates[worker] is None or estimates[worker].serving_state == common_pb2.SERVING_STATE_SERVING:
+                views.append(worker.view(estimates[worker]))
         return views
 
-    def _route_input(self, request: RoutedRequest) -> RouteInput:
-        lengths = self.output_lengths
-        return RouteInput(request.prompt_tokens, request.max_new_tokens, self._sequence,
-                          lengths.expected_tokens(request.length_key, request.max_new_tokens), lengths.fraction())
-
     def _workers(self) -> list[WorkerStatus]:
-        return [WorkerStatus(b.name, b.kind, b.describe()) for b in self.registry.workers.values()]
-
-
-def _excluded(failover: Failover, moves) -> set[str]:
-    """Workers a request is not routed to again: those that failed it and those it moved away from."""
-    return set(failover.failures) | {move.from_worker for move in moves}
+        return [WorkerStatus(w.name, w.kind, w.describe()) for w in self.registry.workers.values()]
 
 
 async def _chained(first: list, call) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -216,27 +224,5 @@ async def _chained(first: list, call) -> AsyncIterator[worker_pb2.GenerateRespon
         yield response
 
 
-def _record_move(span, request_id: str, move: Move) -> None:
-    """Log, trace and count a move."""
-    logger.info("request %s moves from %s to %s before its first token: %s", request_id, move.from_worker,
-                move.to_worker, move.reason)
-    decision_log.info(json.dumps({"event": "move", "request_id": request_id, "from": move.from_worker,
-                                  "to": move.to_worker, "cause": move.cause, "reason": move.reason,
-                                  "from_s": move.from_s, "to_s": move.to_s}))
-    span.add_event("tandem.routing.moved", {"tandem.routing.moved_from": move.from_worker,
-                                            "tandem.routing.moved_to": move.to_worker,
-                                            "tandem.routing.move_cause": move.cause,
-                                            "tandem.routing.move_reason": move.reason})
-    metrics.ROUTING_MOVES.labels(move.from_worker, move.to_worker, move.cause).inc()
-
-
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def _record_result(span, result: worker_pb2.GenerateResult) -> None:
-    span.set_attributes({
-        "gen_ai.usage.output_tokens": result.usage.output_tokens,
-        "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(result.finish_reason)
-                                           .removeprefix("FINISH_REASON_").lower()],
-    })

@@ -10,6 +10,10 @@ class InvalidRequestError(ValueError):
         self.reason = message
 
 
+class ContextLengthExceeded(InvalidRequestError):
+    """The prompt, or the prompt and its output budget, do not fit the model's context."""
+
+
 class QueueFullError(RuntimeError):
     """The bounded waiting queue is full; the request was not accepted."""
 

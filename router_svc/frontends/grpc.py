@@ -1,4 +1,5 @@
-"""The tandem.v1.Router servicer: the gRPC front end of the router's request path (``router_svc.request_path``)."""
+"""The tandem.v1.Router servicer: the gRPC front end. It parses a RouteRequest into a ``Submission``, has it
+prepared (``router_svc.frontends.preparation``), and streams the router's events back as RouteResponses."""
 
 from __future__ import annotations
 
@@ -9,24 +10,23 @@ import grpc
 
 from router_svc import metrics
 from router_svc.errors import RoutingError
-from router_svc.output_lengths import check_length_key
-from router_svc.policies import POLICIES
+from router_svc.frontends.preparation import Preparation, Submission
 from router_svc.request_path import RoutedRequest, Router
 from tandem.decision import RoutingDecision
 from tandem.errors import InvalidRequestError
-from tandem.protocol import decision_message, prompt_token_ids, sampling_params
+from tandem.protocol import decision_message, prompt_token_ids
 from tandem.telemetry import server_span, tracer
-from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from tandem.v1 import router_pb2, router_pb2_grpc
 
 _tracer = tracer("tandem.router")
 _record_generate_status = metrics.rpc_status_recorder("Generate")
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, tokenizer, default_policy: str):
+    def __init__(self, router: Router, tokenizer, preparation: Preparation):
         self.router = router
         self.tokenizer = tokenizer
-        self.default_policy = default_policy
+        self.preparation = preparation
 
     async def Generate(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext):
         with server_span(_tracer, "tandem.v1.Router/Generate", context,
@@ -72,23 +72,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await _abort(context, exc)
 
     async def _parse(self, message: router_pb2.RouteRequest, time_remaining: float | None) -> RoutedRequest:
-        policy = message.policy or self.default_policy
-        if policy not in POLICIES:
-            raise InvalidRequestError("policy", f"must be one of {', '.join(POLICIES)}; got {policy!r}")
-        if message.max_new_tokens <= 0:
-            raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {message.max_new_tokens}")
-        check_length_key("length_key", message.length_key)
-        sampling_params(message.sampling)  # validated here, so a bad value never costs a routing decision
         prompt = await prompt_token_ids(message, self.tokenizer)
-        request_id = message.request_id or uuid.uuid4().hex
-        worker_request = worker_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt),
-            max_new_tokens=message.max_new_tokens, sampling=message.sampling if message.HasField("sampling") else None,
-            stop=message.stop, stop_token_ids=message.stop_token_ids, ignore_eos=message.ignore_eos,
-        )
-        deadline = None if time_remaining is None else time.monotonic() + time_remaining
-        return RoutedRequest(request_id, prompt, message.max_new_tokens, policy, worker_request, deadline,
-                             length_key=message.length_key)
+        given = message.WhichOneof("prompt")
+        return self.preparation.prepare(Submission(
+            request_id=message.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
+            max_new_tokens=message.max_new_tokens, frontend="grpc", prompt_field="chat.messages" if given == "chat" else given,
+            policy=message.policy, length_key=message.length_key, sampling=message.sampling, stop=tuple(message.stop),
+            stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
+            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+        ))
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: RoutingError | InvalidRequestError) -> None:

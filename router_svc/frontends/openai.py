@@ -33,11 +33,10 @@ from sse_starlette import EventSourceResponse
 from router_svc import metrics
 from router_svc.errors import RoutingError, Status
 from router_svc.frontends.openai_schema import ChatCompletionRequest, CompletionRequest, without_unhonoured
-from router_svc.output_lengths import check_length_key
-from router_svc.policies import POLICIES
+from router_svc.frontends.preparation import Preparation, Submission
 from router_svc.request_path import RoutedRequest, Router, WorkerOutput
 from tandem.decision import RoutingDecision
-from tandem.errors import InvalidRequestError
+from tandem.errors import ContextLengthExceeded, InvalidRequestError
 from tandem.protocol import encode_chat
 from tandem.security import BearerTokenAuth, ServerTLS
 from tandem.telemetry import mark_failed, mark_failed_status, tracer
@@ -59,6 +58,7 @@ _FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_
                    common_pb2.FINISH_REASON_EOS: "stop"}
 # Worker and router field names, as the OpenAI API spells them.
 _OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt_text": "prompt",
+                  "chat.messages": "messages", "policy": "tandem.policy", "length_key": "tandem.length_key",
                   "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
                   "sampling.seed": "seed"}
 RETRY_AFTER_S = 1
@@ -75,9 +75,11 @@ class HttpError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def of(cls, exc: RoutingError | InvalidRequestError) -> "HttpError":
+    def of(cls, exc: RoutingError | InvalidRequestError, budget_field: str = "max_tokens") -> "HttpError":
         if isinstance(exc, InvalidRequestError):
-            return cls(400, str(exc), _OPENAI_FIELDS.get(exc.field, exc.field))
+            param = budget_field if exc.field == "max_new_tokens" else _OPENAI_FIELDS.get(exc.field, exc.field)
+            code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) else None
+            return cls(400, f"{param}: {exc.reason}", param, code)
         status = _HTTP_STATUS.get(exc.status, 500)
         param = None
         if status == 400:  # a worker's validation message starts with the field it names
@@ -112,12 +114,12 @@ class ServedModel:
 class OpenAIFrontEnd:
     """The routes, bound to one router, tokenizer and served model."""
 
-    def __init__(self, router: Router, tokenizer, model: ServedModel, default_policy: str,
+    def __init__(self, router: Router, tokenizer, model: ServedModel, preparation: Preparation,
                  auth: BearerTokenAuth | None = None):
         self.router = router
         self.tokenizer = tokenizer
         self.model = model
-        self.default_policy = default_policy
+        self.preparation = preparation
         self.auth = auth
 
     def app(self) -> FastAPI:
@@ -228,41 +230,21 @@ class OpenAIFrontEnd:
                                   attributes={"http.request.method": request.method, "url.path": request.url.path})
 
     def _routed(self, body, prompt: list[int], request_id: str, deadline: float | None = None) -> RoutedRequest:
-        policy = (body.tandem.policy if body.tandem else None) or self.default_policy
-        if policy not in POLICIES:
-            raise HttpError(400, f"tandem.policy: must be one of {', '.join(POLICIES)}; got {policy!r}", "tandem.policy")
-        length_key = body.tandem.length_key if body.tandem else ""
-        try:
-            check_length_key("tandem.length_key", length_key)
-        except InvalidRequestError as exc:
-            raise HttpError.of(exc) from None
-        limits = self.router.registry.model_limits()
-        if limits is not None:
-            context_length, vocab_size = limits  # the context, or the largest KV cache where that is less
-            if any(not 0 <= token < vocab_size for token in prompt):
-                raise HttpError(400, f"prompt: token ids must lie in [0, {vocab_size})", "prompt")
-            requested = body.requested_max_tokens()
-            if requested is not None and len(prompt) + requested > context_length:
-                field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-                raise HttpError(400, f"this model's context is {context_length} tokens; the prompt has {len(prompt)} "
-                                     f"and {field} asks for {requested}", field, "context_length_exceeded")
-            if len(prompt) >= context_length:
-                raise HttpError(400, f"this model's context is {context_length} tokens; the prompt has "
-                                     f"{len(prompt)}", "messages" if hasattr(body, "messages") else "prompt",
-                                "context_length_exceeded")
-            max_new_tokens = requested or context_length - len(prompt)
-        else:  # no worker has connected yet: routing will say so
-            max_new_tokens = body.requested_max_tokens() or 1
         sampling = common_pb2.SamplingParams(**{
             name: value for name, value in (("temperature", body.temperature), ("top_p", body.top_p),
                                             ("top_k", None if body.top_k is None else max(0, body.top_k)),
                                             ("seed", body.seed)) if value is not None})
-        worker_request = worker_pb2.GenerateRequest(
-            request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens,
-            sampling=sampling, stop=body.stop, stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-        )
-        return RoutedRequest(request_id, prompt, max_new_tokens, policy, worker_request, deadline, frontend="http",
-                             length_key=length_key)
+        tandem = body.tandem
+        try:
+            return self.preparation.prepare(Submission(
+                request_id=request_id, prompt_token_ids=prompt, max_new_tokens=body.requested_max_tokens(),
+                frontend="http", prompt_field="chat.messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                policy=tandem.policy if tandem and tandem.policy else "", length_key=tandem.length_key if tandem else "",
+                sampling=sampling, stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos, deadline=deadline,
+            ))
+        except InvalidRequestError as exc:
+            raise HttpError.of(exc, budget_field=_budget_field(body)) from None
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
@@ -415,6 +397,11 @@ def _usage(usage: common_pb2.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
             "total_tokens": usage.prompt_tokens + usage.output_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _budget_field(body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The field the request set its output budget with."""
+    return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
 
 
 def _deadline(request: Request) -> float | None:
