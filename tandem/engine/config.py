@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # How the engine thread is scheduled: "batch" puts it in Linux's SCHED_BATCH class (see AsyncEngine).
 # "normal" by default: ahead of "batch" in four alternating pairs of bench-peers runs, with the router's
-# added TTFT no better under "batch" (README, `--engine-priority`).
+# added TTFT no better under "batch" (docs/benchmarks.md, `--engine-priority`).
 ENGINE_PRIORITIES = ("normal", "batch")
 DEFAULT_ENGINE_PRIORITY = "normal"
 # The weights that the decode steps of a float32 CPU model read (see PackedLinear): "float16" halves the

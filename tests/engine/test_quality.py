@@ -4,7 +4,7 @@ The weights that decode steps read (``--decode-weights``) against float32 weight
 perplexity on a fixed text (scored one position per step, the shape of a single stream's decode steps)
 within 2%, for float16 and int8; and, for the default (float16), greedy continuations of 64 tokens for
 16 prompts, each request alone, matching on at least 90% of the tokens. int8 keeps the perplexity but
-not the greedy tokens (README, "Decode weights"), which is why it is not the default.
+not the greedy tokens (docs/engine.md, "Low-precision weights"), which is why it is not the default.
 """
 
 from __future__ import annotations
