@@ -160,8 +160,8 @@ class Router:
             tries.failover.after_failure(WorkerCallFailed(decision.chosen_worker, Status.UNAVAILABLE, "left the pool"), 0)
             return
         self._sequence += 1
-        worker.dispatch(request.request_id, max(0, request.prompt_tokens - decision.chosen.cached_tokens),
-                        request.max_new_tokens)
+        worker.dispatch(request.request_id, request.prompt_blocks,
+                        max(0, request.prompt_tokens - decision.chosen.cached_tokens), request.max_new_tokens)
         call = worker.generate(request.worker_request, _remaining(request.deadline), span)
         placed_at = time.monotonic()
         self.bookkeeping.decided(request.request_id, decision)  # while the worker call is under way

@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY
 
 from router_svc import discovery
 from router_svc.config import parse_config
+from router_svc.prefix_index import PromptBlocks
 from router_svc.workers import WorkerAddress, WorkerRegistry
 from tests.fakes import ChangingDns, FakeKubernetesApi, pod
 
@@ -69,7 +70,7 @@ async def test_registry_membership_join_leave_and_drain():
     assert sample("tandem_router_workers", kind="cpu") == 2
 
     leaving = registry.workers["w@10.0.0.1"]
-    leaving.dispatch("r1", 10, 5)
+    leaving.dispatch("r1", PromptBlocks([]), 10, 5)
     registry.reconcile("dns:w", [second])
     assert "w@10.0.0.1" not in registry.workers and leaving in registry.draining
     assert not leaving.healthy and leaving.describe() == "leaving (1 in flight)"

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
-from router_svc.prefix_index import PrefixIndex, PromptBlocks
+from router_svc.prefix_index import EXPECTED_HIT_TTL_S, PrefixIndex, PromptBlocks
 from tandem.engine.block_pool import FREE, HELD, REMOVED, BlockPool
 from tandem.prefix_hash import extend_block_hashes, max_cache_hit_blocks
+from tandem.v1 import common_pb2
 from tandem.worker.servicer import _prefix_cache_messages
 
 BLOCK = 4
@@ -124,3 +125,34 @@ def test_prompt_blocks_hash_once_per_block_size_and_leave_one_token_to_compute()
     assert len(prompt.hashes(4)) == 4 and len(prompt.hashes(8)) == 2 and len(prompt.hashes(16)) == 1
     assert prompt.hashes(4) is prompt.hashes(4)
     assert PromptBlocks(tokens[:16]).hashes(4) == prompt.hashes(4)[:3]
+
+
+def test_a_prompt_just_sent_counts_as_held_until_the_worker_confirms_or_evicts_it():
+    now = [100.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    index.apply(common_pb2.PrefixCacheChanges(reset=True))
+    prompt = PromptBlocks(list(range(33)))  # two full blocks of 16 a hit may cover
+    first, second = prompt.hashes(16)
+    assert index.cached(prompt, 16) == (0, 0)
+    index.expect(prompt, 16)
+    assert index.cached(prompt, 16) == (32, 0)
+    assert index.cached(PromptBlocks(list(range(33))), 8) == (0, 0)  # expected at the worker's block size only
+    index.apply(common_pb2.PrefixCacheChanges(free=[first]))  # confirmed, and free by now
+    assert index.cached(prompt, 16) == (32, 16)
+    index.apply(common_pb2.PrefixCacheChanges(removed=[second]))  # evicted before it was ever reported held
+    assert index.cached(prompt, 16) == (16, 16)
+
+
+def test_an_expected_hit_lapses_when_the_worker_never_reports_it():
+    now = [0.0]
+    index = PrefixIndex(clock=lambda: now[0])
+    index.apply(common_pb2.PrefixCacheChanges(reset=True))
+    prompt = PromptBlocks(list(range(17)))
+    index.expect(prompt, 16)
+    now[0] = EXPECTED_HIT_TTL_S - 1
+    assert index.cached(prompt, 16) == (16, 0)
+    now[0] = EXPECTED_HIT_TTL_S + 1
+    assert index.cached(prompt, 16) == (0, 0)
+    index.expect(prompt, 16)
+    index.forget()  # the stream that fed the index ended: nothing is known
+    assert index.cached(prompt, 16) == (0, 0)

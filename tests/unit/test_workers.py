@@ -32,8 +32,8 @@ def state(*requests: common_pb2.RequestLoad, seq: int = 1) -> common_pb2.Backend
 async def test_dispatched_requests_count_until_the_worker_reports_them():
     worker = make_worker()
     worker.state = state(common_pb2.RequestLoad(request_id="a", running=True, decode_tokens=100))
-    worker.dispatch("b", prefill_tokens=20, decode_tokens=128)
-    worker.dispatch("c", prefill_tokens=20, decode_tokens=128)
+    worker.dispatch("b", PromptBlocks([]), prefill_tokens=20, decode_tokens=128)
+    worker.dispatch("c", PromptBlocks([]), prefill_tokens=20, decode_tokens=128)
 
     credited = worker.view(None)
     assert (credited.pending_prefill_tokens, credited.pending_decode_tokens) == (40, 356)
@@ -60,7 +60,7 @@ async def test_an_indexed_view_looks_the_prompt_up_in_the_workers_prefix_index_a
     prompt = PromptBlocks(list(range(13)))  # three full blocks may hit
     first, second, _ = prompt.hashes(4)
     worker.prefix_index.apply(common_pb2.PrefixCacheChanges(reset=True, held=[first], free=[second]))
-    worker.dispatch("b", prefill_tokens=5, decode_tokens=8)
+    worker.dispatch("b", PromptBlocks([]), prefill_tokens=5, decode_tokens=8)
 
     view = worker.indexed_view(prompt)
     assert (view.cached_tokens, view.cached_evictable_tokens, view.state_source) == (8, 4, "index")
