@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 
+def reported_block_size(state) -> int:
+    """The KV block size a ``BackendState`` reports (16 where a worker leaves it unset)."""
+    return state.block_size or 16
+
+
 @dataclass(frozen=True)
 class QueuedWork:
     """One request's remaining work on a worker: as reported, or ``credited`` by the router (dispatched, and
@@ -73,7 +78,7 @@ class WorkerReport:
             max_active_requests=state.max_active_requests, max_num_batched_tokens=max_num_batched_tokens,
             prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
             step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
-            step_per_decode_s=rates.step_per_decode_s, block_size=state.block_size or 16,
+            step_per_decode_s=rates.step_per_decode_s, block_size=reported_block_size(state),
             kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
             kv_blocks_cached=state.kv_blocks_cached,
         )

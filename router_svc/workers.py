@@ -15,7 +15,7 @@ from router_svc import metrics
 from router_svc.errors import Status, WorkerCallFailed
 from router_svc.prefix_index import PrefixIndex, PromptBlocks
 from router_svc.probes import ProbeStream
-from router_svc.worker_view import Credit, WorkerReport, WorkerView
+from router_svc.worker_view import Credit, WorkerReport, WorkerView, reported_block_size
 from tandem.protocol import WORKER_KINDS
 from tandem.security import ClientTLS, aio_channel
 from tandem.telemetry import child_span, mark_failed, outgoing_metadata, tracer
@@ -119,7 +119,7 @@ class Worker:
         self.credits[request_id] = Credit(request_id, prefill_tokens, decode_tokens)
         self.routed_requests += 1
         if self.state is not None:
-            self.prefix_index.expect(prompt, self.state.block_size or 16)
+            self.prefix_index.expect(prompt, reported_block_size(self.state))
 
     def release(self, request_id: str) -> None:
         self.credits.pop(request_id, None)
