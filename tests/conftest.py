@@ -26,5 +26,6 @@ def tiny_model(request, tiny_llama, tiny_qwen2):
 
 @pytest.fixture(scope="session")
 def tiny_llama_64(tmp_path_factory):
-    """The tiny llama with heads 64 wide: a model both engines (Tandem's and vLLM's on the CPU) accept."""
-    return _tiny(tmp_path_factory, "llama", head_dim=64)
+    """The tiny llama with heads 64 wide: a model both engines (Tandem's and vLLM's on the CPU) accept. Its long
+    context lets a request outlast the checks a test makes while it runs, however fast vLLM decodes."""
+    return _tiny(tmp_path_factory, "llama", head_dim=64, context_length=8192)

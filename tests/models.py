@@ -42,7 +42,8 @@ def build_tokenizer(directory: Path):
     return fast
 
 
-def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0, head_dim: int = 16) -> Path:
+def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0, head_dim: int = 16,
+                     context_length: int = 1024) -> Path:
     """Save a tiny random-weight causal LM of ``family`` ("llama" or "qwen2") with a tokenizer.
 
     Its two layers have 4 query and 2 key-value heads of ``head_dim`` each (vLLM's CPU attention takes 64,
@@ -59,7 +60,7 @@ def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0, head
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=context_length,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         initializer_range=0.2,

@@ -16,6 +16,9 @@ from tests.integration.workers import REPO, WorkerProcess, healthy
 
 ENGINES = ("tandem", "vllm")
 BLOCK_SIZE = 32  # one block size for both, so that the tests' prompts cover the same blocks
+# Tokens a request asks for to stay in flight while a test inspects it: vLLM decodes the tiny model at about
+# 1 ms a token, so anything shorter can end before a loaded machine runs the test's next line.
+LONG_OUTPUT = 6000
 # Compiling vLLM's model with torch.compile takes longer than the tests it would speed up.
 VLLM_TEST_ARGS = '{"enforce_eager": true}'
 

@@ -14,7 +14,7 @@ import pytest
 
 from tandem.v1 import common_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
-from tests.integration.engines import BLOCK_SIZE, ENGINES, engine_worker, running_engine_worker
+from tests.integration.engines import BLOCK_SIZE, ENGINES, LONG_OUTPUT, engine_worker, running_engine_worker
 from tandem.launch import free_port
 from tests.integration.workers import (NOT_SERVING, SERVING, alive, descendants, scrape_metrics, stalled,
                                       wait_until)
@@ -74,7 +74,7 @@ def test_the_worker_names_its_engine_and_reports_its_limits(worker):
     assert info.block_size == state.block_size == BLOCK_SIZE
     assert info.max_active_requests == state.max_active_requests == 4
     assert info.kv_blocks_total == state.kv_blocks_total > 0
-    assert (info.vocab_size, info.context_length, info.dtype) == (400, 1024, "float32")
+    assert (info.vocab_size, info.context_length, info.dtype) == (400, 8192, "float32")
     assert state.rates.prefill_tokens_per_s > 0 and state.rates.decode_tokens_per_s > 0
     assert state.rates.calibration_steps >= 4
     assert state.serving_state == common_pb2.SERVING_STATE_SERVING and state.device == "cpu"
@@ -111,8 +111,9 @@ def test_watch_state_sends_the_index_whole_then_what_changes(worker):
 
 
 def test_cancel_mid_stream_frees_everything(worker):
-    call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))), max_new_tokens=900,
-                                                           sampling=GREEDY, ignore_eos=True), timeout=60)
+    call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))),
+                                                           max_new_tokens=LONG_OUTPUT, sampling=GREEDY,
+                                                           ignore_eos=True), timeout=60)
     next(call)
     assert wait_until(lambda: estimate(worker).num_running == 1)
     call.cancel()
@@ -164,7 +165,7 @@ def test_a_seeded_sample_repeats(worker):
         (dict(prompt_token_ids=ids([]), max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
         (dict(max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
         (dict(prompt_token_ids=ids([1, 99999]), max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
-        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=9000), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
         (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
         (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(top_p=1.5)),
          grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
@@ -200,13 +201,14 @@ def test_a_request_id_in_flight_cannot_be_reused(worker):
 def test_the_queue_and_budgets_are_reported_per_request(worker):
     prompts = [[random.Random(i).randrange(400) for _ in range(40)] for i in range(6)]
     calls = [worker.stub.Generate(worker_pb2.GenerateRequest(request_id=f"load-{i}", prompt_token_ids=ids(p),
-                                                             max_new_tokens=300, ignore_eos=True), timeout=60)
+                                                             max_new_tokens=LONG_OUTPUT, ignore_eos=True),
+                                 timeout=60)
              for i, p in enumerate(prompts)]
     try:
         state = wait_until(lambda: (s := estimate(worker)).num_running == 4 and s.num_waiting == 2 and s)
         assert {r.request_id for r in state.requests} == {f"load-{i}" for i in range(6)}
         assert [r.running for r in state.requests] == [True] * 4 + [False] * 2
-        assert all(0 < r.decode_tokens <= 300 for r in state.requests)
+        assert all(0 < r.decode_tokens <= LONG_OUTPUT for r in state.requests)
         assert all(r.prefill_tokens == 40 for r in state.requests if not r.running)
         assert state.pending_decode_tokens == sum(r.decode_tokens for r in state.requests)
         assert state.kv_blocks_used > 0

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 from tests.engine.helpers import hf_greedy
-from tests.integration.engines import BLOCK_SIZE, running_engine_worker
+from tests.integration.engines import BLOCK_SIZE, LONG_OUTPUT, running_engine_worker
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (HARNESS, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
                                       serving_router, stalled, wait_until, worker_load)
@@ -118,7 +118,7 @@ def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str,
 def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
     tandem_blocker = occupy(workers["cpu"], "tandem-blocker", 400)  # 20 s
-    vllm_blocker = occupy(workers["gpu"], "vllm-blocker", 900)
+    vllm_blocker = occupy(workers["gpu"], "vllm-blocker", LONG_OUTPUT)
     wait_until(lambda: worker_load(workers["gpu"]) == (1, 0))
     with stalled(workers["gpu"]):
         wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
@@ -133,7 +133,7 @@ def test_a_request_waiting_on_the_tandem_worker_moves_to_the_freed_vllm_worker(r
     tandem_blocker = occupy(workers["cpu"], "tandem-blocker", 100)  # 5 s
     with contextlib.ExitStack() as stall:
         stall.enter_context(stalled(workers["gpu"]))
-        vllm_blockers = [occupy(workers["gpu"], f"vllm-blocker-{i}", 900) for i in range(12)]
+        vllm_blockers = [occupy(workers["gpu"], f"vllm-blocker-{i}", LONG_OUTPUT) for i in range(12)]
         wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (0, 12)}, 30)
 
         def free_vllm():
