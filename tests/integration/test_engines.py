@@ -268,23 +268,28 @@ def test_metrics_parse_and_move_after_requests(worker):
     assert after[("tandem_worker_decode_tokens_per_second", ())] > 0
 
 
+# Long enough that Tandem's engine (which cannot be stalled) is still decoding when the refusal is checked.
+DRAINED_OUTPUT = 2000
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(engine, tiny_llama_64, tmp_path):
     process = engine_worker(engine, tiny_llama_64, tmp_path / "worker.log")
     try:
         process.wait_for_health(SERVING)
         stream = process.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(20))),
-                                                                  max_new_tokens=900, sampling=GREEDY,
+                                                                  max_new_tokens=DRAINED_OUTPUT, sampling=GREEDY,
                                                                   ignore_eos=True), timeout=120)
         received = list(next(stream).token_ids)
         started = descendants(process.process.pid)
-        process.process.send_signal(15)
-        process.wait_for_health(NOT_SERVING, timeout=10)
-        with pytest.raises(grpc.RpcError) as info:
-            generate(process, prompt_token_ids=ids([1, 2]), max_new_tokens=2, timeout=5)
+        with stalled(process):  # vLLM's engine core must not finish the stream before the refusal is checked
+            process.process.send_signal(15)
+            process.wait_for_health(NOT_SERVING, timeout=10)
+            with pytest.raises(grpc.RpcError) as info:
+                generate(process, prompt_token_ids=ids([1, 2]), max_new_tokens=2, timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
         responses = list(stream)
-        assert len(received) + len(tokens_of(responses)) == 900
+        assert len(received) + len(tokens_of(responses)) == DRAINED_OUTPUT
         assert responses[-1].result.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert process.process.wait(60) == 0
         wait_until(lambda: not [pid for pid in started if alive(pid)], timeout=10)  # vLLM kills its engine core last

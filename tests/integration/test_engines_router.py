@@ -115,25 +115,36 @@ def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str,
 # vLLM decodes the tiny model at about 1 ms a token, faster than any blocker could last, so its engine core is
 # stalled (SIGSTOP) for as long as its queue must stand still.
 
+@contextlib.contextmanager
+def blocking(worker, request_id: str, max_new_tokens: int):
+    """A blocker on ``worker`` (see ``occupy``), cancelled when the block ends however it ends."""
+    call = occupy(worker, request_id, max_new_tokens)
+    try:
+        yield call
+    finally:
+        call.cancel()
+
+
 def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
-    tandem_blocker = occupy(workers["cpu"], "tandem-blocker", 400)  # 20 s
-    vllm_blocker = occupy(workers["gpu"], "vllm-blocker", LONG_OUTPUT)
-    wait_until(lambda: worker_load(workers["gpu"]) == (1, 0))
-    with stalled(workers["gpu"]):
-        wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
-        moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
-        assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
-    vllm_blocker.cancel()
+    # The Tandem blocker's 6000 steps of 50 ms outlast the vLLM blocker's on any machine, so the request first
+    # waits on vLLM.
+    with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, \
+            blocking(workers["gpu"], "vllm-blocker", LONG_OUTPUT):
+        wait_until(lambda: worker_load(workers["gpu"]) == (1, 0))
+        with stalled(workers["gpu"]):
+            wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
+            moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
+            assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
     assert_no_leaks(router, workers)
 
 
 def test_a_request_waiting_on_the_tandem_worker_moves_to_the_freed_vllm_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
-    tandem_blocker = occupy(workers["cpu"], "tandem-blocker", 100)  # 5 s
-    with contextlib.ExitStack() as stall:
+    with blocking(workers["cpu"], "tandem-blocker", 400), contextlib.ExitStack() as stall:  # 20 s
         stall.enter_context(stalled(workers["gpu"]))
-        vllm_blockers = [occupy(workers["gpu"], f"vllm-blocker-{i}", LONG_OUTPUT) for i in range(12)]
+        vllm_blockers = [stall.enter_context(blocking(workers["gpu"], f"vllm-blocker-{i}", LONG_OUTPUT))
+                         for i in range(12)]
         wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (0, 12)}, 30)
 
         def free_vllm():
@@ -143,6 +154,5 @@ def test_a_request_waiting_on_the_tandem_worker_moves_to_the_freed_vllm_worker(r
             stall.close()
 
         moved_once(router, tiny_llama_64, "to-vllm", "cpu", "gpu", free_vllm)
-    assert "to-vllm" not in request_ids(workers["cpu"])  # withdrawn: aborted in Tandem's engine
-    tandem_blocker.cancel()
+        assert "to-vllm" not in request_ids(workers["cpu"])  # withdrawn: aborted in Tandem's engine
     assert_no_leaks(router, workers)
