@@ -11,7 +11,8 @@
    requests (``--only footprint`` runs just this).
 
 ``--compare-checkout TREE`` also measures the router of another source tree (an older commit, say) over the
-same workers: its requests join the same interleaved rotation, and its footprint runs alternate with this one's.
+same workers: its gRPC and HTTP requests join the same interleaved rotation, and its footprint runs alternate
+with this one's.
 
 Writes bench/results/router.json.
 """
@@ -32,6 +33,7 @@ import httpx
 
 from router_svc.policies import POLICIES, RouteInput
 from router_svc.worker_view import QueuedWork, WorkerReport, WorkerView
+from tandem.launch import free_port
 from tandem.loadgen.live import wait_for_healthy_backends
 from tandem.loadgen.results import percentile, write_json
 from tandem.model_files import model_name, resolve_model
@@ -86,11 +88,14 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
     with contextlib.ExitStack() as routers:
         stubs = {"routed": router_pb2_grpc.RouterStub(stack.router.channel)}
         pids = {"routed": stack.router.process.pid}
+        http_urls = {"http": stack.http_url}
         for index, tree in enumerate(checkouts):
             log_path = RESULTS / "router-logs" / f"router-compared-{index}.log"
-            process, channel, _ = routers.enter_context(_router_from(tree, stack.router.args, log_path))
+            http_port = free_port()
+            process, channel, _ = routers.enter_context(_router_from(tree, stack.router.args, log_path, http_port))
             stubs[str(tree)] = router_pb2_grpc.RouterStub(channel)
             pids[str(tree)] = process.process.pid
+            http_urls[_http_path(tree)] = f"http://127.0.0.1:{http_port}"
         worker = worker_pb2_grpc.WorkerStub(stack.gpu.channel)
         rng = random.Random(0)
         prompt = [rng.randrange(10, 40000) for _ in range(64)]
@@ -106,7 +111,8 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
         http_body = {"model": model_name(None), "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
                      "ignore_eos": True, "stream": True, "tandem": {"policy": "gpu_only"}}
         http = routers.enter_context(httpx.Client())
-        calls["http"] = lambda: _sse_tokens(http, f"{stack.http_url}/v1/completions", http_body)
+        calls.update({name: (lambda url=url: _sse_tokens(http, f"{url}/v1/completions", http_body))
+                      for name, url in http_urls.items()})
         for _ in range(3):  # warm every path and the prefix cache
             for call in calls.values():
                 _timed_stream(call)
@@ -141,16 +147,21 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
     def round_trip(name: str) -> dict:
         return {"p50_ms": percentile(round_trips[name], 50), "p99_ms": percentile(round_trips[name], 99)}
 
-    # The stack's router also serves the HTTP path in the rotation, so its CPU time covers two requests per round.
+    # Each router serves both a gRPC and an HTTP request in every round, and its CPU time covers both.
     result = {"requests_each": count, "prompt_tokens": 64, "max_new_tokens": max_new_tokens,
               **compared_to_direct("routed"), "http": compared_to_direct("http"),
               "round_trip": {"explain": round_trip("routed"), "worker_estimate": round_trip("worker_estimate")},
               "router_cpu_ms_per_round": cpu_per_request_ms["routed"]}
     if checkouts:
-        result["compared"] = {str(tree): {**compared_to_direct(str(tree)), "round_trip": {"explain": round_trip(str(tree))},
+        result["compared"] = {str(tree): {**compared_to_direct(str(tree)), "http": compared_to_direct(_http_path(tree)),
+                                          "round_trip": {"explain": round_trip(str(tree))},
                                           "router_cpu_ms_per_round": cpu_per_request_ms[str(tree)]}
                               for tree in checkouts}
     return result
+
+
+def _http_path(tree: Path) -> str:
+    return f"{tree} http"
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -220,9 +231,10 @@ def measure_footprint(stack, requests: int, runs: int = 1, checkouts: tuple[Path
 
 
 @contextlib.contextmanager
-def _router_from(tree: Path, router_args: list[str], log_path: Path):
-    """A router started as ``python -m router_svc`` from source tree ``tree``, over the same workers;
-    yields the process, a channel to it and the seconds from its start to health SERVING."""
+def _router_from(tree: Path, router_args: list[str], log_path: Path, http_port: int = 0):
+    """A router started as ``python -m router_svc`` from source tree ``tree``, over the same workers, serving
+    HTTP on ``http_port`` (any free port if 0); yields the process, a channel to it and the seconds from its
+    start to health SERVING."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -232,7 +244,7 @@ def _router_from(tree: Path, router_args: list[str], log_path: Path):
     start = time.perf_counter()
     router = ServiceProcess("router-" + tree.name, None, router_args, log_path,
                             command=[sys.executable, "-P", "-m", "router_svc"],
-                            env={"PYTHONPATH": str(tree), "TANDEM_HTTP_PORT": "0"})
+                            env={"PYTHONPATH": str(tree), "TANDEM_HTTP_PORT": str(http_port)})
     # Reconnect within 50 ms (not gRPC's default backoff of 1 s and more), so SERVING is seen when it happens.
     channel = grpc.insecure_channel(router.address, options=[
         ("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10),
@@ -316,10 +328,11 @@ def main() -> int:
                   f"{measured['tpot']['added_p50_ms']:.3f} ms; Explain (probes + decision) p50 "
                   f"{measured['round_trip']['explain']['p50_ms']:.2f} ms; CPU {measured['router_cpu_ms_per_round']:.2f} ms "
                   "per round")
-        http = overhead["http"]
-        print(f"OpenAI HTTP API ({ROOT}): TTFT p50 {http['ttft']['routed']['p50_ms']:.2f} ms: added p50 "
-              f"{http['ttft']['added_p50_ms']:.2f} ms, p99 {http['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
-              f"{http['tpot']['added_p50_ms']:.3f} ms")
+        for tree, measured in [(str(ROOT), overhead), *overhead.get("compared", {}).items()]:
+            http = measured["http"]
+            print(f"OpenAI HTTP API ({tree}): TTFT p50 {http['ttft']['routed']['p50_ms']:.2f} ms: added p50 "
+                  f"{http['ttft']['added_p50_ms']:.2f} ms, p99 {http['ttft']['added_p99_ms']:.2f} ms; TPOT added p50 "
+                  f"{http['tpot']['added_p50_ms']:.3f} ms")
         print(f"one Estimate straight to the worker p50 {overhead['round_trip']['worker_estimate']['p50_ms']:.2f} ms")
     if "decision_time" in report:
         sizes = ("2 workers", "8 workers", "64 workers")
