@@ -10,6 +10,7 @@ It speaks in routing-core terms (``RoutingDecision``, ``RoutingError``); a front
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -164,7 +165,8 @@ class Router:
                         max(0, request.prompt_tokens - decision.chosen.cached_tokens), request.max_new_tokens)
         call = worker.generate(request.worker_request, _remaining(request.deadline), span)
         placed_at = time.monotonic()
-        self.bookkeeping.decided(request.request_id, decision)  # while the worker call is under way
+        # Logged once the call's send has run (it was scheduled first), so the log never delays the request.
+        asyncio.get_running_loop().call_soon(self.bookkeeping.decided, request.request_id, decision)
         streamed = 0
         try:
             yield decision
