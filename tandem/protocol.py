@@ -13,7 +13,8 @@ from tandem.v1 import common_pb2, router_pb2
 WORKER_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
 _KIND_NAMES = {number: name for name, number in WORKER_KINDS.items()}
 _SCORE_FIELDS = tuple(f.name for f in fields(WorkerScore) if f.name != "kind")
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -24,6 +25,8 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
         InvalidRequestError: with the field named as the API spells it, e.g. ``sampling.top_p``.
     """
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
+    if message.logit_bias:
+        given["logit_bias"] = dict(message.logit_bias)
     try:
         return SamplingParams(**given)
     except InvalidRequestError as exc:
@@ -71,6 +74,12 @@ async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str)
             conversation, add_generation_prompt=True, tokenize=True, return_dict=False)))
     except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
         raise InvalidRequestError(field.partition(".")[0], f"the chat template rejected the messages: {exc}") from None
+
+
+def logprobs_messages(positions) -> list[common_pb2.PositionLogprobs]:
+    """``TokenLogprobs`` of an engine as the wire's ``PositionLogprobs``."""
+    return [common_pb2.PositionLogprobs(logprob=p.logprob, rank=p.rank, top=[
+        common_pb2.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in p.top]) for p in positions]
 
 
 def decision_message(decision: RoutingDecision) -> router_pb2.RoutingDecision:

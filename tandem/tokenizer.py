@@ -93,6 +93,9 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         ids = self.encode(text, add_special_tokens)
         return {"input_ids": ids, "attention_mask": [1] * len(ids)}

@@ -44,6 +44,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield router_pb2.RouteResponse(
                         request_id=routed.request_id, token_ids=response.token_ids, text=response.text,
                         result=response.result if response.HasField("result") else None, worker=event.worker,
+                        logprobs=response.logprobs, prompt_logprobs=response.prompt_logprobs,
                     )
             except RoutingError as exc:
                 await _abort(context, exc)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
 import math
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
 import pydantic
@@ -56,11 +58,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 504: "timeout_error"}
 _FINISH_REASONS = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                    common_pb2.FINISH_REASON_EOS: "stop"}
-# Worker and router field names, as the OpenAI API spells them.
+# Worker and router field names, as the OpenAI API spells them (a sampling setting: its own name).
 _OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt_text": "prompt",
-                  "chat.messages": "messages", "policy": "tandem.policy", "length_key": "tandem.length_key",
-                  "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
-                  "sampling.seed": "seed"}
+                  "chat.messages": "messages", "policy": "tandem.policy", "length_key": "tandem.length_key"}
 RETRY_AFTER_S = 1
 TIMEOUT_HEADER = "x-request-timeout"
 
@@ -77,14 +77,14 @@ class HttpError(Exception):
     @classmethod
     def of(cls, exc: RoutingError | InvalidRequestError, budget_field: str = "max_tokens") -> "HttpError":
         if isinstance(exc, InvalidRequestError):
-            param = budget_field if exc.field == "max_new_tokens" else _OPENAI_FIELDS.get(exc.field, exc.field)
+            param = budget_field if exc.field == "max_new_tokens" else _openai_field(exc.field)
             code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) else None
             return cls(400, f"{param}: {exc.reason}", param, code)
         status = _HTTP_STATUS.get(exc.status, 500)
         param = None
         if status == 400:  # a worker's validation message starts with the field it names
             field, sep, _ = str(exc).partition(":")
-            param = _OPENAI_FIELDS.get(field, field) if sep and " " not in field else None
+            param = _openai_field(field) if sep and " " not in field else None
         if status == 429:
             return cls(status, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
         return cls(status, str(exc), param)
@@ -121,6 +121,7 @@ class OpenAIFrontEnd:
         self.model = model
         self.preparation = preparation
         self.auth = auth
+        self._token_text = functools.lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
 
     def app(self) -> FastAPI:
         # The router traces each request itself (one SERVER span, parent of `route` and the worker call) and
@@ -221,6 +222,12 @@ class OpenAIFrontEnd:
             raise HttpError(401, "missing or invalid bearer token (header 'Authorization: Bearer <token>')",
                             code="invalid_api_key")
 
+    def _shown_token(self, body: ChatCompletionRequest | CompletionRequest) -> Callable[[int], str] | None:
+        """How the request's log-probabilities show a token: its text, "token_id:N", or None without any."""
+        if body.num_logprobs is None:
+            return None
+        return _token_id_text if body.return_tokens_as_token_ids else self._token_text
+
     def _request_id(self, request: Request) -> str:
         given = request.headers.get("x-request-id", "")
         return given if 0 < len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
@@ -230,10 +237,13 @@ class OpenAIFrontEnd:
                                   attributes={"http.request.method": request.method, "url.path": request.url.path})
 
     def _routed(self, body, prompt: list[int], request_id: str, deadline: float | None = None) -> RoutedRequest:
-        sampling = common_pb2.SamplingParams(**{
-            name: value for name, value in (("temperature", body.temperature), ("top_p", body.top_p),
-                                            ("top_k", None if body.top_k is None else max(0, body.top_k)),
-                                            ("seed", body.seed)) if value is not None})
+        sampling = common_pb2.SamplingParams(logit_bias=body.logit_bias, **{
+            name: value for name, value in (
+                ("temperature", body.temperature), ("top_p", body.top_p),
+                ("top_k", None if body.top_k is None else max(0, body.top_k)), ("min_p", body.min_p),
+                ("seed", body.seed), ("presence_penalty", body.presence_penalty),
+                ("frequency_penalty", body.frequency_penalty), ("repetition_penalty", body.repetition_penalty),
+                ("min_tokens", body.min_tokens), ("logprobs", body.num_logprobs)) if value is not None})
         tandem = body.tandem
         try:
             return self.preparation.prepare(Submission(
@@ -265,27 +275,30 @@ class OpenAIFrontEnd:
             span.end()
             await generation.close()
             raise
-        chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage)
+        chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
+                        body.continuous_usage, len(prompt), self._shown_token(body))
         headers = {"x-request-id": request_id, "x-tandem-worker": generation.worker}
         if body.stream:
             return EventSourceResponse(self._stream(generation, chunks, span), headers=headers, sep="\n")
         try:
-            text, result = await generation.collect()
+            text, token_ids, logprobs, result = await generation.collect()
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             raise HttpError.of(exc) from None
         finally:
             span.end()
         headers["x-tandem-worker"] = generation.worker
-        return JSONResponse(chunks.complete(text, result), headers=headers)
+        return JSONResponse(chunks.complete(text, token_ids, logprobs, result), headers=headers)
 
     async def _stream(self, generation: "Generation", chunks: "Chunks", span) -> AsyncIterator[dict]:
         try:
             if chunks.chat:
                 yield _data(chunks.chunk({"role": "assistant", "content": ""}))
             async for response in generation.responses():
-                if response.text:
-                    yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text))
+                chunks.streamed_tokens += len(response.token_ids)
+                if response.text or (chunks.token_text and response.logprobs):
+                    yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text,
+                                             logprobs=chunks.logprobs(response.token_ids, response.logprobs)))
                 if response.HasField("result"):
                     yield _data(chunks.chunk({} if chunks.chat else "", _FINISH_REASONS.get(response.result.finish_reason)))
                     if chunks.include_usage:
@@ -347,13 +360,16 @@ class Generation:
             if isinstance(event, WorkerOutput):
                 yield event.response
 
-    async def collect(self) -> tuple[str, worker_pb2.GenerateResult]:
-        text, result = [], None
+    async def collect(self) -> tuple[str, list[int], list[common_pb2.PositionLogprobs], worker_pb2.GenerateResult]:
+        """The whole generation: its text, token ids, their log-probabilities (if asked for) and result."""
+        text, token_ids, logprobs, result = [], [], [], None
         async for response in self.responses():
             text.append(response.text)
+            token_ids.extend(response.token_ids)
+            logprobs.extend(response.logprobs)
             if response.HasField("result"):
                 result = response.result
-        return "".join(text), result
+        return "".join(text), token_ids, logprobs, result
 
     async def close(self) -> None:
         await self._events.aclose()
@@ -361,41 +377,85 @@ class Generation:
 
 @dataclass
 class Chunks:
-    """Makes the response objects of one request, chat or completion, streamed or not."""
+    """Makes the response objects of one request, chat or completion, streamed or not.
+
+    ``continuous_usage``: every streamed chunk carries the usage so far. ``token_text``: how a token id is
+    shown in log-probabilities; None when the request asked for none.
+    """
 
     id: str
     model: str
     chat: bool
     include_usage: bool
+    continuous_usage: bool = False
+    prompt_tokens: int = 0
+    token_text: Callable[[int], str] | None = None
+    streamed_tokens: int = 0
     created: int = 0
 
     def __post_init__(self):
         self.created = int(time.time())
 
-    def chunk(self, delta, finish_reason: str | None = None) -> dict:
-        choice = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason} if self.chat
-                  else {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason})
+    def chunk(self, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = ({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if self.chat
+                  else {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.model, "choices": [choice]}
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = _usage_counts(self.prompt_tokens, self.streamed_tokens)
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
     def usage_chunk(self, usage: common_pb2.Usage) -> dict:
         return {**self.chunk(None), "choices": [], "usage": _usage(usage)}
 
-    def complete(self, text: str, result: worker_pb2.GenerateResult) -> dict:
+    def complete(self, text: str, token_ids: list[int], logprobs: list[common_pb2.PositionLogprobs],
+                 result: worker_pb2.GenerateResult) -> dict:
         finish_reason = _FINISH_REASONS.get(result.finish_reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        shown = self.logprobs(token_ids, logprobs)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shown,
                    "finish_reason": finish_reason} if self.chat
-                  else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+                  else {"index": 0, "text": text, "logprobs": shown, "finish_reason": finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": _usage(result.usage)}
 
+    def logprobs(self, token_ids, positions) -> dict | None:
+        """The log-probabilities of ``token_ids`` as the chat or the completions API shows them."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        if self.chat:
+            return {"content": [
+                {**_chat_logprob(text(token), position.logprob),
+                 "top_logprobs": [_chat_logprob(text(top.token_id), top.logprob) for top in position.top]}
+                for token, position in zip(token_ids, positions)]}
+        tokens = [text(token) for token in token_ids]
+        offsets = list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=0)) if tokens else []
+        return {"tokens": tokens, "token_logprobs": [position.logprob for position in positions],
+                "top_logprobs": [{text(top.token_id): top.logprob for top in position.top} for position in positions],
+                "text_offset": offsets}
+
+
+def _openai_field(field: str) -> str:
+    return _OPENAI_FIELDS.get(field, field.removeprefix("sampling."))
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def _chat_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
 
 def _usage(usage: common_pb2.Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.output_tokens,
-            "total_tokens": usage.prompt_tokens + usage.output_tokens,
+    return {**_usage_counts(usage.prompt_tokens, usage.output_tokens),
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 

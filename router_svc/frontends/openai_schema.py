@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tandem.errors import InvalidRequestError
 from tandem.protocol import CHAT_ROLES
+from tandem.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 
@@ -24,6 +25,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage so far in every chunk
 
 
 class TandemOptions(_Strict):
@@ -54,8 +56,6 @@ class ChatMessage(_Strict):
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
     "echo": (None, False),
     "suffix": (None,),
     "tools": (None, []),
@@ -64,11 +64,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
     "prompt_logprobs": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -90,9 +85,16 @@ class _Sampling(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs show tokens as "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -106,9 +108,31 @@ class _Sampling(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, none of them empty")
         return strings
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        try:
+            ids = {int(token): value for token, value in bias.items()}
+        except ValueError:
+            raise ValueError("keys must be token ids (integers as strings)") from None
+        if any(token < 0 for token in ids):
+            raise ValueError("keys must be token ids >= 0")
+        return ids
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top alternatives each token's log-probability comes with; None: no log-probabilities."""
+        return self.logprobs
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -117,6 +141,19 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -124,6 +161,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @field_validator("prompt")
     @classmethod

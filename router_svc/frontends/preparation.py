@@ -65,8 +65,12 @@ class Preparation:
         check_length_key("length_key", submission.length_key)
         if submission.max_new_tokens is not None and submission.max_new_tokens <= 0:
             raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {submission.max_new_tokens}")
-        sampling_params(submission.sampling)
+        sampling = sampling_params(submission.sampling)
         max_new_tokens = self._budget(submission)
+        if sampling.min_tokens > max_new_tokens:
+            raise InvalidRequestError("sampling.min_tokens", f"must be at most the output budget ({max_new_tokens} "
+                                                             f"tokens), got {sampling.min_tokens}")
+        self._check_vocabulary("sampling.logit_bias", sampling.logit_bias)
         worker_request = worker_pb2.GenerateRequest(
             request_id=submission.request_id, prompt_token_ids=worker_pb2.TokenIds(ids=submission.prompt_token_ids),
             max_new_tokens=max_new_tokens, sampling=submission.sampling, stop=submission.stop,
@@ -75,15 +79,19 @@ class Preparation:
         return RoutedRequest(submission.request_id, submission.prompt_token_ids, max_new_tokens, policy, worker_request,
                              submission.deadline, submission.frontend, submission.length_key)
 
+    def _check_vocabulary(self, field: str, token_ids) -> None:
+        limits = self.model_limits()
+        if limits is not None and any(not 0 <= token < limits[1] for token in token_ids):
+            raise InvalidRequestError(field, f"token ids must lie in [0, {limits[1]})")
+
     def _budget(self, submission: Submission) -> int:
         """The request's output budget, checked against the served model's vocabulary and context."""
         limits = self.model_limits()
         if limits is None:
             return submission.max_new_tokens or 1
-        context_length, vocab_size = limits  # the context, or the largest KV cache where that is less
+        context_length, _ = limits  # the context, or the largest KV cache where that is less
         prompt, requested = submission.prompt_token_ids, submission.max_new_tokens
-        if any(not 0 <= token < vocab_size for token in prompt):
-            raise InvalidRequestError(submission.prompt_field, f"token ids must lie in [0, {vocab_size})")
+        self._check_vocabulary(submission.prompt_field, prompt)
         if requested is not None and len(prompt) + requested > context_length:
             raise ContextLengthExceeded("max_new_tokens", f"this model's context is {context_length} tokens; the "
                                                           f"prompt has {len(prompt)} and the output asks for {requested}")

@@ -46,8 +46,9 @@ class IncrementalDetokenizer:
         self.push(token_id)
         return self.release()
 
-    def push(self, token_id: int) -> None:
-        """Add one token without releasing its text; ``release`` returns it later."""
+    def push(self, token_id: int, find_stops: bool = True) -> None:
+        """Add one token without releasing its text; ``release`` returns it later. With ``find_stops`` False,
+        the text it completes is not searched for stop strings."""
         if self.stopped:
             return
         self._token_ids.append(token_id)
@@ -58,7 +59,8 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text):]
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._token_ids)
-            self._find_stop(search_from)
+            if find_stops:
+                self._find_stop(search_from)
 
     def release(self) -> str:
         """Return the text that became final since the last release (possibly empty)."""

@@ -17,7 +17,7 @@ from tandem.engine.config import SchedulerConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer, Tokenizer
 from tandem.errors import EngineDeadError, InvalidRequestError
 from tandem.engine.rates import Rates, RateTracker, StepSample
-from tandem.engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.request import FinishReason, Request, RequestStatus, Sample, TokenLogprobs
 from tandem.engine.scheduler import SchedulerLoad, Scheduler, SchedulerOutput
 
 
@@ -30,8 +30,8 @@ class ModelExecutor(Protocol):
     vocab_size: int
     eos_token_ids: frozenset[int]
 
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
-        """Run one step; return the sampled token per scheduled request (None where none is sampled)."""
+    def execute(self, output: SchedulerOutput) -> list[Sample | None]:
+        """Run one step; return the sample per scheduled request (None where none is sampled)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class RequestStats:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """One item of a request's stream: new tokens and text, and on the last item how it ended."""
+    """One item of a request's stream: new tokens and text (with each token's log-probabilities if the request
+    asked for them), and on the last item how it ended."""
 
     req_id: str
     token_ids: tuple[int, ...]
@@ -55,6 +56,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     stats: RequestStats | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -104,6 +107,7 @@ class LLMEngine:
         self.dead_reason: str | None = None
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     @property
     def healthy(self) -> bool:
@@ -142,7 +146,7 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
 
-    def process(self, output: SchedulerOutput, sampled: Sequence[int | None], seconds: float,
+    def process(self, output: SchedulerOutput, sampled: Sequence[Sample | None], seconds: float,
                 record_step: Callable[[StepSample], None] | None = None) -> list[RequestOutput]:
         """Account for an executed step: record its time, append tokens, detokenize, check stops.
 
@@ -153,14 +157,26 @@ class LLMEngine:
             record_step: where the step's time goes; by default the rates' observed steps.
         """
         (record_step or self.rates.observe)(StepSample(output.num_prefill_tokens, output.num_decode_requests, seconds))
+        tokens = [None if sample is None else sample.token_id for sample in sampled]
+        logprobs = {}
+        for item, sample in zip(output.scheduled, sampled):
+            if sample is not None and sample.logprobs is not None:
+                logprobs[item.request.req_id] = (sample.logprobs,)
+            if sample is not None and item.request.wants_prompt_logprobs:
+                collected = self._prompt_logprobs.setdefault(item.request.req_id, [])
+                del collected[sample.prompt_start:]  # a prefill restarted after preemption computes them again
+                collected.extend(sample.prompt_logprobs)
         outputs = []
-        for request in self.scheduler.update_from_output(output, sampled, self._check_stop):
+        for request in self.scheduler.update_from_output(output, tokens, self._check_stop):
             token_ids = (request.token_ids[-1],)
             text = self._detokenizers[request.req_id].release()
+            token_logprobs = logprobs.get(request.req_id, ())
+            prompt_logprobs = tuple(self._prompt_logprobs.pop(request.req_id, ()))
             if request.status.is_finished:
-                outputs.append(self._final_output(request, token_ids, text))
+                outputs.append(self._final_output(request, token_ids, text, token_logprobs, prompt_logprobs))
             else:
-                outputs.append(RequestOutput(request.req_id, token_ids, text))
+                outputs.append(RequestOutput(request.req_id, token_ids, text, logprobs=token_logprobs,
+                                             prompt_logprobs=prompt_logprobs))
         self.seq += 1
         return outputs
 
@@ -232,7 +248,7 @@ class LLMEngine:
     def unfollow_prefix_cache(self, feed: CacheFeed) -> None:
         self.scheduler.unfollow_prefix_cache(feed)
 
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
+    def execute(self, output: SchedulerOutput) -> list[Sample | None]:
         """Run the model on a scheduled batch; the sampled tokens go to ``process``. Touches no engine state,
         so the engine loop calls it outside its lock."""
         return self.executor.execute(output)
@@ -258,7 +274,10 @@ class LLMEngine:
         """Detokenize the request's new token (``process`` releases its text); return the status it ends with."""
         token = request.token_ids[-1]
         detokenizer = self._detokenizers[request.req_id]
-        detokenizer.push(token)
+        may_stop = request.num_output_tokens >= request.sampling.min_tokens
+        detokenizer.push(token, find_stops=may_stop)
+        if not may_stop:
+            return RequestStatus.FINISHED_LENGTH if request.decode_budget <= 0 else None
         if detokenizer.stopped or token in request.stop_token_ids:
             return RequestStatus.FINISHED_STOP
         if not request.ignore_eos and token in self.executor.eos_token_ids:
@@ -267,8 +286,11 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _final_output(self, request: Request, token_ids: tuple[int, ...], text: str = "") -> RequestOutput:
+    def _final_output(self, request: Request, token_ids: tuple[int, ...], text: str = "",
+                      logprobs: tuple[TokenLogprobs, ...] = (),
+                      prompt_logprobs: tuple[TokenLogprobs, ...] = ()) -> RequestOutput:
         del self._requests[request.req_id]
+        self._prompt_logprobs.pop(request.req_id, None)
         text += self._detokenizers.pop(request.req_id).flush()
         now = self.clock()
         stats = RequestStats(
@@ -280,7 +302,8 @@ class LLMEngine:
             ttft_s=None if request.first_token_time is None else request.first_token_time - request.arrival_time,
             total_time_s=now - request.arrival_time,
         )
-        return RequestOutput(request.req_id, token_ids, text, request.finish_reason, request.error, stats)
+        return RequestOutput(request.req_id, token_ids, text, request.finish_reason, request.error, stats, logprobs,
+                             prompt_logprobs)
 
 
 def validate_request(request: Request, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int) -> None:
@@ -311,3 +334,9 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, num_
     for token in request.stop_token_ids:
         if not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidRequestError("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
+    for token in request.sampling.logit_bias:
+        if token >= vocab_size:
+            raise InvalidRequestError("sampling.logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+    if request.sampling.min_tokens > request.max_new_tokens:
+        raise InvalidRequestError("sampling.min_tokens", f"must be at most max_new_tokens ({request.max_new_tokens}), "
+                                                         f"got {request.sampling.min_tokens}")

@@ -34,8 +34,11 @@ class KVCacheManager:
             request: a waiting request.
 
         Returns:
-            The longest run of cached blocks matching its tokens, capped so that one token is left to compute.
+            The longest run of cached blocks matching its tokens, capped so that one token is left to compute;
+            none for a request that wants its prompt's log-probabilities, which only computing gives.
         """
+        if request.wants_prompt_logprobs:
+            return []
         limit = max_cache_hit_blocks(request.num_tokens, self.block_size)
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, limit)
         return self.block_pool.find_cached_blocks(request.block_hashes[:limit], request.token_ids)

@@ -47,6 +47,29 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one position: of the token there, its rank (1 is the most likely), and of the
+    most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one step computed for one request: the token sampled (None for a prefill chunk that samples
+    none), with its log-probabilities if the request asked for them; and for a request that asked for its
+    prompt's, those of the prompt tokens after positions ``prompt_start`` onwards of the chunk."""
+
+    token_id: int | None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_start: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     """A generation request plus everything the scheduler tracks about it.
@@ -98,6 +121,11 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for its prompt's log-probabilities and has not had them yet (no token was generated)."""
+        return self.sampling.prompt_logprobs is not None and not self.num_output_tokens
 
     @property
     def decode_budget(self) -> int:

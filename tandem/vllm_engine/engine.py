@@ -36,7 +36,7 @@ from tandem.engine.block_pool import CacheFeed, CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput, RequestStats, validate_request
 from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import RateTracker, StepSample
-from tandem.engine.request import FinishReason, Request
+from tandem.engine.request import FinishReason, Request, TokenLogprobs
 from tandem.engine.scheduler import RequestLoad, SchedulerLoad
 from tandem.vllm_engine.kv_events import KVEventStream
 from tandem.vllm_engine.prefix_index import VllmPrefixIndex
@@ -224,8 +224,14 @@ class VllmEngine:
         if tracked.first_token_time is not None:
             self._hold(tracked)
         self._bump()
+        logprobs = _logprobs(completion.token_ids, completion.logprobs, tracked.request.sampling.logprobs)
+        prompt_logprobs = ()
+        if output.prompt_logprobs:  # all of them, once (vLLM hands out [] after)
+            prompt_logprobs = _logprobs(output.prompt_token_ids[1:], output.prompt_logprobs[1:],
+                                        tracked.request.sampling.prompt_logprobs)
         if not output.finished:
-            return RequestOutput(tracked.request.req_id, tuple(completion.token_ids), completion.text)
+            return RequestOutput(tracked.request.req_id, tuple(completion.token_ids), completion.text,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         request = tracked.request
         metrics = output.metrics
         arrival = request.arrival_time
@@ -241,7 +247,7 @@ class VllmEngine:
             total_time_s=now - arrival,
         )
         return RequestOutput(request.req_id, tuple(completion.token_ids), completion.text,
-                             _finish_reason(completion), None, stats)
+                             _finish_reason(completion), None, stats, logprobs, prompt_logprobs)
 
     def _forget(self, tracked: _Tracked) -> None:
         if self._requests.pop(tracked.request.req_id, None) is None:
@@ -424,6 +430,14 @@ def _vllm_sampling(request: Request) -> VllmSamplingParams:
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=sampling.seed,
+            min_p=sampling.min_p,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            min_tokens=sampling.min_tokens,
+            logit_bias=dict(sampling.logit_bias) or None,
+            logprobs=sampling.logprobs,
+            prompt_logprobs=sampling.prompt_logprobs,
             stop=list(request.stop_strings),
             stop_token_ids=sorted(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
@@ -431,6 +445,19 @@ def _vllm_sampling(request: Request) -> VllmSamplingParams:
         )
     except ValueError as exc:  # a value Tandem accepts and vLLM does not
         raise InvalidRequestError("sampling", f"vLLM refused it: {exc}") from None
+
+
+def _logprobs(token_ids, positions, num_top: int | None) -> tuple[TokenLogprobs, ...]:
+    """vLLM's log-probabilities of ``token_ids`` (a dict of token id -> Logprob per position: the token's own and
+    the ``num_top`` most likely) as Tandem's."""
+    if num_top is None or positions is None:
+        return ()
+    converted = []
+    for token, position in zip(token_ids, positions):
+        top = sorted(((other, entry.logprob) for other, entry in position.items()), key=lambda item: -item[1])
+        own = position[token]
+        converted.append(TokenLogprobs(token, own.logprob, own.rank, tuple(top[:num_top])))
+    return tuple(converted)
 
 
 def _finish_reason(completion) -> FinishReason:

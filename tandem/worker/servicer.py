@@ -15,7 +15,7 @@ from tandem.engine.engine import EngineState, RequestOutput
 from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request
-from tandem.protocol import WORKER_KINDS, prompt_token_ids, sampling_params
+from tandem.protocol import WORKER_KINDS, logprobs_messages, prompt_token_ids, sampling_params
 from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import metrics
@@ -252,7 +252,9 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 def _to_response(request_id: str, output: RequestOutput) -> worker_pb2.GenerateResponse:
-    response = worker_pb2.GenerateResponse(request_id=request_id, token_ids=output.token_ids, text=output.text)
+    response = worker_pb2.GenerateResponse(request_id=request_id, token_ids=output.token_ids, text=output.text,
+                                           logprobs=logprobs_messages(output.logprobs),
+                                           prompt_logprobs=logprobs_messages(output.prompt_logprobs))
     if output.finished:
         stats = output.stats
         response.result.CopyFrom(

@@ -66,6 +66,13 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt):].tolist()
 
 
+def hf_logprobs(model_dir, token_ids: list[int]) -> torch.Tensor:
+    """transformers' log-probabilities of the next token at every position of ``token_ids``."""
+    with torch.inference_mode():
+        logits = _hf_model(str(model_dir))(torch.tensor([token_ids], device=TEST_DEVICE)).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
 def assert_no_leaks(engine: LLMEngine) -> None:
     load = engine.scheduler.load()
     assert (load.num_running, load.num_waiting) == (0, 0)

@@ -37,6 +37,8 @@ def engine(tiny_llama):
         (lambda p: Request("bad", p, 8, SamplingParams(top_p=0.0)), "top_p"),
         (lambda p: Request("bad", p, 8, SamplingParams(top_p=1.01)), "top_p"),
         (lambda p: Request("bad", p, 8, GREEDY, stop_token_ids=frozenset({10**7})), "stop_token_ids"),
+        (lambda p: Request("bad", p, 8, SamplingParams(logit_bias={10**7: 1.0})), "sampling.logit_bias"),
+        (lambda p: Request("bad", p, 8, SamplingParams(min_tokens=9)), "sampling.min_tokens"),
     ],
 )
 def test_bad_input_names_the_field_and_engine_keeps_serving(engine, make_request, field):

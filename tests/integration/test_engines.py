@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, worker_pb2
-from tests.engine.helpers import hf_greedy
+from tests.engine.helpers import hf_greedy, hf_logprobs
 from tests.integration.engines import BLOCK_SIZE, ENGINES, LONG_OUTPUT, engine_worker, running_engine_worker
 from tandem.launch import free_port
 from tests.integration.workers import (NOT_SERVING, SERVING, alive, descendants, scrape_metrics, stalled,
@@ -159,6 +159,46 @@ def test_a_seeded_sample_repeats(worker):
     assert runs[0] != greedy  # it sampled
 
 
+def test_logprobs_and_prompt_logprobs_match_transformers_on_both_engines(worker, tiny_llama_64):
+    prompt = list(range(30, 50))
+    sampling = common_pb2.SamplingParams(temperature=0, logprobs=2, prompt_logprobs=1)
+    responses = generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=5, sampling=sampling, ignore_eos=True)
+    tokens = tokens_of(responses)
+    generated = [lp for r in responses for lp in r.logprobs]
+    prompt_logprobs = [lp for r in responses for lp in r.prompt_logprobs]
+    assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+    expected = hf_logprobs(tiny_llama_64, prompt + tokens)
+    assert len(prompt_logprobs) == len(prompt) - 1 and len(generated) == 5
+    for position, (token, logprob) in enumerate(zip(prompt[1:] + tokens, prompt_logprobs + generated)):
+        assert logprob.logprob == pytest.approx(float(expected[position, token]), abs=1e-3)
+        assert [t.token_id for t in logprob.top] == expected[position].topk(len(logprob.top)).indices.tolist()
+    assert all(lp.rank == 1 and len(lp.top) == 2 for lp in generated)
+    assert all(len(lp.top) == 1 for lp in prompt_logprobs)
+    idle(worker)
+
+
+def test_penalties_bias_and_min_tokens_on_both_engines(worker, tiny_llama_64):
+    prompt = list(range(60, 80))
+    plain = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=8, sampling=GREEDY, ignore_eos=True))
+    neutral = common_pb2.SamplingParams(temperature=0, presence_penalty=0, frequency_penalty=0, repetition_penalty=1,
+                                        min_p=0, min_tokens=0)
+    assert tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=8, sampling=neutral,
+                              ignore_eos=True)) == plain
+    biased = common_pb2.SamplingParams(temperature=0, logit_bias={7: 100.0})
+    assert tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=4, sampling=biased,
+                              ignore_eos=True)) == [7] * 4
+    penalised = common_pb2.SamplingParams(temperature=0, logit_bias={7: 5.0}, frequency_penalty=2.0,
+                                          presence_penalty=2.0, repetition_penalty=2.0)
+    output = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=8, sampling=penalised,
+                                ignore_eos=True))
+    assert output.count(7) < 8
+    held = common_pb2.SamplingParams(temperature=0, min_tokens=4)
+    output = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=8, sampling=held,
+                                stop_token_ids=[plain[0]]))
+    assert len(output) >= 4 and plain[0] not in output[:4]
+    idle(worker)
+
+
 @pytest.mark.parametrize(
     ("fields", "code", "field"),
     [
@@ -175,6 +215,14 @@ def test_a_seeded_sample_repeats(worker):
          "stop_token_ids"),
         (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT,
          "request_id"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(logprobs=21)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(
+            presence_penalty=3)), grpc.StatusCode.INVALID_ARGUMENT, "sampling.presence_penalty"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(
+            logit_bias={5000: 1.0})), grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(min_tokens=5)),
+         grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_tokens"),
     ],
 )
 def test_invalid_input_gets_the_same_status_and_field_on_both_engines(worker, fields, code, field):

@@ -127,7 +127,16 @@ async def test_the_async_client_streams(stack):
 
 @pytest.mark.parametrize("fields, param", [
     (dict(n=2), "n"),
-    (dict(logprobs=True), "logprobs"),
+    (dict(top_logprobs=2), "top_logprobs"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty="much"), "frequency_penalty"),
+    (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias.5"),
+    (dict(logit_bias={"99999999": 1}), "logit_bias"),
+    (dict(extra_body={"min_tokens": 5}), "min_tokens"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(extra_body={"min_p": 2}), "min_p"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(temperature=-1), "temperature"),
@@ -145,6 +154,70 @@ def test_a_field_the_server_does_not_honour_is_a_bad_request_naming_it(client, f
         client.chat.completions.create(**request)
     assert info.value.status_code == 400
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_chat_logprobs_whole_and_streamed(client):
+    whole = client.chat.completions.create(model=ALIAS, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob  # greedy
+        assert entry.bytes == list(entry.token.encode())
+    stream = client.chat.completions.create(model=ALIAS, messages=CHAT, logprobs=True, top_logprobs=2, stream=True,
+                                            **GREEDY)
+    streamed = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = client.chat.completions.create(model=ALIAS, messages=CHAT, **GREEDY)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_completion_logprobs_in_the_legacy_shape(client):
+    completion = client.completions.create(model=ALIAS, prompt=[1, 2, 3], logprobs=3, **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert all(len(top) <= 3 and max(top.values()) == lp for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+
+
+def test_penalties_at_their_defaults_change_nothing_and_a_logit_bias_forces_a_token(client):
+    plain = client.completions.create(model=ALIAS, prompt=[1, 2, 3], **GREEDY)
+    neutral = client.completions.create(model=ALIAS, prompt=[1, 2, 3], presence_penalty=0, frequency_penalty=0,
+                                        logit_bias={}, **{**GREEDY, "extra_body": {
+                                            "ignore_eos": True, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}})
+    assert neutral.choices[0].text == plain.choices[0].text
+    forced = client.completions.create(model=ALIAS, prompt=[1, 2, 3], logit_bias={"42": 100}, logprobs=0, **GREEDY)
+    assert forced.usage.completion_tokens == 6
+    penalised = client.completions.create(model=ALIAS, prompt=[1, 2, 3], logit_bias={"42": 100},
+                                          presence_penalty=2, frequency_penalty=2, **GREEDY)
+    assert penalised.usage.completion_tokens == 6
+    tokens = client.completions.create(model=ALIAS, prompt=[1, 2, 3], logit_bias={"42": 100}, logprobs=0,
+                                       **{**GREEDY, "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}})
+    assert tokens.choices[0].logprobs.tokens == ["token_id:42"] * 6
+
+
+def test_min_tokens_outlasts_a_stop_token(client):
+    first = client.completions.create(model=ALIAS, prompt=[1, 2, 3], logprobs=0, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "return_tokens_as_token_ids": True}}).choices[0].logprobs.tokens[0]
+    stop = {"stop_token_ids": [int(first.removeprefix("token_id:"))]}
+    stopped = client.completions.create(model=ALIAS, prompt=[1, 2, 3], **{**GREEDY, "extra_body": stop})
+    held = client.completions.create(model=ALIAS, prompt=[1, 2, 3], **{**GREEDY, "extra_body": {**stop, "min_tokens": 3}})
+    assert stopped.usage.completion_tokens == 1 and held.usage.completion_tokens >= 3
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    stream = client.completions.create(model=ALIAS, prompt=[1, 2, 3], stream=True, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}})
+    chunks = list(stream)
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert all(chunk.usage.prompt_tokens == 3 for chunk in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6
+
+
+def test_a_seed_reproduces_a_sampled_completion(client):
+    sampled = dict(model=ALIAS, prompt=[1, 2, 3], temperature=1.0, max_tokens=8, seed=11, presence_penalty=0.5)
+    assert client.completions.create(**sampled).choices[0].text == client.completions.create(**sampled).choices[0].text
 
 
 def test_user_is_accepted_and_ignored(client):

@@ -28,6 +28,11 @@ def test_default_sampling_params_are_valid_and_not_greedy():
         {"temperature": 2, "top_p": 0.01, "top_k": 50},
         {"seed": 0},
         {"seed": 2**63 - 1},
+        {"min_p": 0.0}, {"min_p": 1},
+        {"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 0.5},
+        {"min_tokens": 0}, {"min_tokens": 10},
+        {"logit_bias": {0: -100, 5: 100.0}},
+        {"logprobs": 0, "prompt_logprobs": 20},
     ],
 )
 def test_valid_sampling_params_are_accepted(kwargs):
@@ -54,6 +59,21 @@ def test_valid_sampling_params_are_accepted(kwargs):
         ({"seed": -1}, "seed"),
         ({"seed": 2**63}, "seed"),
         ({"seed": False}, "seed"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 101}}, "logit_bias.5"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):

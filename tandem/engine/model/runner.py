@@ -14,7 +14,7 @@ from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.decode_graphs import DecodeGraphs
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
-from tandem.engine.model.sampler import sample
+from tandem.engine.model.sampler import Sample, sample, token_logprobs
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.utils import cdiv
 from tandem.model_files import eos_token_ids
@@ -108,7 +108,7 @@ class ModelRunner:
                     self.dtype, self.decode_dtype, self.num_kv_blocks, block_size)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
+    def execute(self, output: SchedulerOutput) -> list[Sample | None]:
         items = output.scheduled
         decodes = [item for item in items if item.num_new_tokens == 1]
         prefills = [item for item in items if item.num_new_tokens > 1]
@@ -118,8 +118,11 @@ class ModelRunner:
         positions: list[int] = []
         slot_mapping: list[int] = []
         sample_rows: dict[int, int] = {}
+        prompt_rows: dict[int, range] = {}  # the rows whose logits give a prompt token's log-probability
         for item in ordered:
             request, start, count = item.request, item.start, item.num_new_tokens
+            if request.wants_prompt_logprobs:
+                prompt_rows[id(item)] = range(len(input_ids), len(input_ids) + min(count, request.num_prompt_tokens - 1 - start))
             input_ids.extend(request.token_ids[start:start + count])
             positions.extend(range(start, start + count))
             slot_mapping.extend(self._slot(request.block_ids, p) for p in range(start, start + count))
@@ -151,11 +154,11 @@ class ModelRunner:
             meta.prefills.append(self._prefill_chunk(item, token_start))
             token_start += item.num_new_tokens
 
-        sampling_items = [item for item in items if item.samples]
-        if not sampling_items:
-            logits_indices = torch.zeros(0, dtype=torch.long, device=device)
-        else:
-            logits_indices = torch.tensor([sample_rows[id(item)] for item in sampling_items], device=device)
+        rows = [sample_rows[id(item)] for item in items if item.samples]
+        num_sampled = len(rows)
+        for item in items:
+            rows.extend(prompt_rows.get(id(item), ()))
+        logits_indices = torch.tensor(rows, dtype=torch.long, device=device)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
@@ -166,15 +169,35 @@ class ModelRunner:
             self.cos_table,
             self.sin_table,
         )
-        return self._sampled(items, logits)
+        samples = self._sampled(items, logits[:num_sampled])
+        return self._with_prompt_logprobs(items, samples, prompt_rows, logits[num_sampled:]) if prompt_rows else samples
+
+    def _sampled(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[Sample | None]:
+        """Each item's sample, None for a chunk that samples none; ``logits``: a row for each item that
+        samples, in order."""
+        sampling = [item.request for item in items if item.samples]
+        samples = iter(sample(logits, sampling, self.eos_token_ids) if sampling else [])
+        return [next(samples) if item.samples else None for item in items]
 
     @staticmethod
-    def _sampled(items: list[ScheduledRequest], logits: torch.Tensor) -> list[int | None]:
-        """Each item's sampled token, None for a chunk that samples none; ``logits``: a row for each item
-        that samples, in order."""
-        sampling = [item.request for item in items if item.samples]
-        tokens = iter(sample(logits, sampling) if sampling else [])
-        return [next(tokens) if item.samples else None for item in items]
+    def _with_prompt_logprobs(items: list[ScheduledRequest], samples: list[Sample | None],
+                              prompt_rows: dict[int, range], logits: torch.Tensor) -> list[Sample | None]:
+        """``samples`` with the prompt log-probabilities of the items in ``prompt_rows``; ``logits``: their
+        rows, in the order of ``items``."""
+        merged, offset = [], 0
+        for item, sample in zip(items, samples):
+            rows = prompt_rows.get(id(item))
+            if rows is None:
+                merged.append(sample)
+                continue
+            request, start = item.request, item.start
+            following = request.token_ids[start + 1:start + 1 + len(rows)]  # each row predicts the next token
+            computed = token_logprobs(logits[offset:offset + len(rows)], following,
+                                      request.sampling.prompt_logprobs) if rows else []
+            offset += len(rows)
+            merged.append(Sample(sample.token_id if sample else None, sample.logprobs if sample else None,
+                                 tuple(computed), start))
+        return merged
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
