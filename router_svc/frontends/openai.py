@@ -20,7 +20,7 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import pydantic
 import uvicorn
@@ -166,7 +166,7 @@ class OpenAIFrontEnd:
         self._authorize(request)
         schema = ChatCompletionRequest if "messages" in await _json_object(request) else CompletionRequest
         body = await self._parse(request, schema)
-        prompt = await self._prompt_ids(body)
+        prompt = (await self._prompt_ids(body))[0]  # of a batch of prompts, the first
         routed = self._routed(body, prompt, self._request_id(request))
         span = self._span(request, "POST /tandem/v1/explain")
         try:
@@ -196,19 +196,21 @@ class OpenAIFrontEnd:
 
     # --- the request path -----------------------------------------------------------------------------
 
-    async def _prompt_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    async def _prompt_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
+        """The token ids of each prompt: the chat's one, or each of the completion's."""
         if isinstance(body, ChatCompletionRequest):
             conversation = [{"role": m.role, "content": m.text} for m in body.messages]
             try:
-                return await encode_chat(self.tokenizer, conversation, "messages")
+                return [await encode_chat(self.tokenizer, conversation, "messages")]
             except InvalidRequestError as exc:
                 raise HttpError.of(exc) from None
-        if isinstance(body.prompt, list):
-            return list(body.prompt)
-        ids = await asyncio.to_thread(lambda: list(self.tokenizer(body.prompt)["input_ids"]))
-        if not ids:
+        texts = [prompt for prompt in body.prompts if isinstance(prompt, str)]
+        encoded = iter(await asyncio.to_thread(lambda: [list(self.tokenizer(text)["input_ids"]) for text in texts])
+                       if texts else [])
+        prompts = [list(prompt) if isinstance(prompt, list) else next(encoded) for prompt in body.prompts]
+        if not all(prompts):
             raise HttpError(400, "prompt: must not be empty", "prompt")
-        return ids
+        return prompts
 
     async def _parse(self, request: Request, schema):
         body = _validated(schema, await _json_object(request))
@@ -243,7 +245,8 @@ class OpenAIFrontEnd:
                 ("top_k", None if body.top_k is None else max(0, body.top_k)), ("min_p", body.min_p),
                 ("seed", body.seed), ("presence_penalty", body.presence_penalty),
                 ("frequency_penalty", body.frequency_penalty), ("repetition_penalty", body.repetition_penalty),
-                ("min_tokens", body.min_tokens), ("logprobs", body.num_logprobs)) if value is not None})
+                ("min_tokens", body.min_tokens), ("logprobs", body.num_logprobs),
+                ("prompt_logprobs", body.num_prompt_logprobs)) if value is not None})
         tandem = body.tandem
         try:
             return self.preparation.prepare(Submission(
@@ -258,51 +261,74 @@ class OpenAIFrontEnd:
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
-        prompt = await self._prompt_ids(body)
+        prompts = await self._prompt_ids(body)
         request_id = self._request_id(request)
-        routed = self._routed(body, prompt, request_id, _deadline(request))
+        deadline = _deadline(request)
+        routed = [self._routed(body, prompt, request_id if len(prompts) == 1 else f"{request_id}-{index}", deadline)
+                  for index, prompt in enumerate(prompts)]
         span = self._span(request, f"POST {request.url.path}")
-        span.set_attributes({"tandem.request_id": request_id, "gen_ai.usage.input_tokens": len(prompt),
-                             "gen_ai.request.max_tokens": routed.max_new_tokens})
-        generation = Generation(self.router.generate(routed, span))
+        span.set_attributes({"tandem.request_id": request_id,
+                             "gen_ai.usage.input_tokens": sum(len(prompt) for prompt in prompts),
+                             "gen_ai.request.max_tokens": routed[0].max_new_tokens})
+        generations = [Generation(self.router.generate(each, span), index) for index, each in enumerate(routed)]
         try:
-            await generation.start()
+            await _all([generation.start() for generation in generations])
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             span.end()
+            await _all([generation.close() for generation in generations])
             raise HttpError.of(exc) from None
         except BaseException:
             span.end()
-            await generation.close()
+            await _all([generation.close() for generation in generations])
             raise
+        echoed = self._echoed(body, prompts)
         chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
-                        body.continuous_usage, len(prompt), self._shown_token(body))
-        headers = {"x-request-id": request_id, "x-tandem-worker": generation.worker}
+                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body))
+        headers = {"x-request-id": request_id, "x-tandem-worker": ",".join(g.worker for g in generations)}
         if body.stream:
-            return EventSourceResponse(self._stream(generation, chunks, span), headers=headers, sep="\n")
+            return EventSourceResponse(self._stream(generations, echoed, chunks, span), headers=headers, sep="\n")
         try:
-            text, token_ids, logprobs, result = await generation.collect()
+            outcomes = await _all([generation.collect() for generation in generations])
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             raise HttpError.of(exc) from None
         finally:
             span.end()
-        headers["x-tandem-worker"] = generation.worker
-        return JSONResponse(chunks.complete(text, token_ids, logprobs, result), headers=headers)
+            await _all([generation.close() for generation in generations])
+        headers["x-tandem-worker"] = ",".join(g.worker for g in generations)
+        return JSONResponse(chunks.complete(outcomes, echoed), headers=headers)
 
-    async def _stream(self, generation: "Generation", chunks: "Chunks", span) -> AsyncIterator[dict]:
+    def _echoed(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]) -> list["Echo | None"]:
+        """What a completion with ``echo`` repeats of each prompt: its text as given (or decoded from token ids),
+        and its token ids for log-probabilities; None for each without."""
+        if isinstance(body, ChatCompletionRequest) or not body.echo:
+            return [None] * len(prompts)
+        return [Echo(given if isinstance(given, str) else self.tokenizer.decode(ids), ids)
+                for given, ids in zip(body.prompts, prompts)]
+
+    async def _stream(self, generations: list["Generation"], echoed: list["Echo | None"], chunks: "Chunks",
+                      span) -> AsyncIterator[dict]:
         try:
-            if chunks.chat:
-                yield _data(chunks.chunk({"role": "assistant", "content": ""}))
-            async for response in generation.responses():
-                chunks.streamed_tokens += len(response.token_ids)
-                if response.text or (chunks.token_text and response.logprobs):
-                    yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text,
-                                             logprobs=chunks.logprobs(response.token_ids, response.logprobs)))
-                if response.HasField("result"):
-                    yield _data(chunks.chunk({} if chunks.chat else "", _FINISH_REASONS.get(response.result.finish_reason)))
-                    if chunks.include_usage:
-                        yield _data(chunks.usage_chunk(response.result.usage))
+            for generation, echo in zip(generations, echoed):
+                if chunks.chat:
+                    yield _data(chunks.chunk({"role": "assistant", "content": ""}, index=generation.index))
+                elif echo is not None:
+                    logprobs = chunks.echo_logprobs(echo, generation.prompt_logprobs, generation.index)
+                    yield _data(chunks.chunk(echo.text, index=generation.index, logprobs=logprobs))
+            usage = []
+            async with contextlib.aclosing(_merged([g.responses() for g in generations])) as responses:
+                async for index, response in responses:
+                    chunks.streamed_tokens += len(response.token_ids)
+                    if response.text or (chunks.token_text and response.logprobs):
+                        yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text, index=index,
+                                                 logprobs=chunks.logprobs(response.token_ids, response.logprobs, index)))
+                    if response.HasField("result"):
+                        yield _data(chunks.chunk({} if chunks.chat else "",
+                                                 _FINISH_REASONS.get(response.result.finish_reason), index=index))
+                        usage.append(response.result.usage)
+            if chunks.include_usage:
+                yield _data(chunks.usage_chunk(usage))
             yield {"data": "[DONE]"}
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
@@ -311,7 +337,7 @@ class OpenAIFrontEnd:
             mark_failed(span, exc)
             raise
         finally:
-            await generation.close()
+            await _all([generation.close() for generation in generations])
             span.end()
 
 
@@ -337,12 +363,13 @@ class CountRequests:
 
 
 class Generation:
-    """One routed generation. ``start`` waits for the chosen worker's first output, so that a failure before
-    it is still an error the HTTP status can carry."""
+    """One routed generation, the ``index``-th choice of its response. ``start`` waits for the chosen worker's
+    first output, so that a failure before it is still an error the HTTP status can carry."""
 
-    def __init__(self, events: AsyncIterator[RoutingDecision | WorkerOutput]):
+    def __init__(self, events: AsyncIterator[RoutingDecision | WorkerOutput], index: int = 0):
         self._events = events
         self._first: worker_pb2.GenerateResponse | None = None
+        self.index = index
         self.worker = ""
 
     async def start(self) -> None:
@@ -353,6 +380,11 @@ class Generation:
             self._first = event.response
             return
 
+    @property
+    def prompt_logprobs(self):
+        """The prompt's log-probabilities, if the request asked for them (they come with the first output)."""
+        return self._first.prompt_logprobs if self._first is not None else []
+
     async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         if self._first is not None:
             yield self._first
@@ -360,8 +392,7 @@ class Generation:
             if isinstance(event, WorkerOutput):
                 yield event.response
 
-    async def collect(self) -> tuple[str, list[int], list[common_pb2.PositionLogprobs], worker_pb2.GenerateResult]:
-        """The whole generation: its text, token ids, their log-probabilities (if asked for) and result."""
+    async def collect(self) -> "Outcome":
         text, token_ids, logprobs, result = [], [], [], None
         async for response in self.responses():
             text.append(response.text)
@@ -369,10 +400,30 @@ class Generation:
             logprobs.extend(response.logprobs)
             if response.HasField("result"):
                 result = response.result
-        return "".join(text), token_ids, logprobs, result
+        return Outcome("".join(text), token_ids, logprobs, self.prompt_logprobs, result)
 
     async def close(self) -> None:
         await self._events.aclose()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A whole generation: its text, token ids, their log-probabilities (if asked for), the prompt's (with
+    ``echo``), and how it ended."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.PositionLogprobs]
+    prompt_logprobs: list[common_pb2.PositionLogprobs]
+    result: worker_pb2.GenerateResult
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt that a completion with ``echo`` repeats: its text and token ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 @dataclass
@@ -392,13 +443,14 @@ class Chunks:
     token_text: Callable[[int], str] | None = None
     streamed_tokens: int = 0
     created: int = 0
+    text_offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's text so far
 
     def __post_init__(self):
         self.created = int(time.time())
 
-    def chunk(self, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = ({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if self.chat
-                  else {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+    def chunk(self, delta, finish_reason: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
+        choice = ({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if self.chat
+                  else {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason})
         chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                  "created": self.created, "model": self.model, "choices": [choice]}
         if self.continuous_usage:
@@ -407,20 +459,24 @@ class Chunks:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, usage: common_pb2.Usage) -> dict:
-        return {**self.chunk(None), "choices": [], "usage": _usage(usage)}
+    def usage_chunk(self, usages: list[common_pb2.Usage]) -> dict:
+        return {**self.chunk(None), "choices": [], "usage": _usage(usages)}
 
-    def complete(self, text: str, token_ids: list[int], logprobs: list[common_pb2.PositionLogprobs],
-                 result: worker_pb2.GenerateResult) -> dict:
-        finish_reason = _FINISH_REASONS.get(result.finish_reason)
-        shown = self.logprobs(token_ids, logprobs)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": shown,
-                   "finish_reason": finish_reason} if self.chat
-                  else {"index": 0, "text": text, "logprobs": shown, "finish_reason": finish_reason})
+    def complete(self, outcomes: list[Outcome], echoed: list[Echo | None]) -> dict:
+        choices = []
+        for index, (outcome, echo) in enumerate(zip(outcomes, echoed)):
+            finish_reason = _FINISH_REASONS.get(outcome.result.finish_reason)
+            echoed_logprobs = self.echo_logprobs(echo, outcome.prompt_logprobs, index) if echo else None
+            logprobs = _joined(echoed_logprobs, self.logprobs(outcome.token_ids, outcome.logprobs, index))
+            choices.append({"index": index, "message": {"role": "assistant", "content": outcome.text},
+                            "logprobs": logprobs, "finish_reason": finish_reason} if self.chat
+                           else {"index": index, "text": (echo.text if echo else "") + outcome.text,
+                                 "logprobs": logprobs, "finish_reason": finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": _usage(result.usage)}
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": _usage([outcome.result.usage for outcome in outcomes])}
 
-    def logprobs(self, token_ids, positions) -> dict | None:
+    def logprobs(self, token_ids, positions, index: int = 0) -> dict | None:
         """The log-probabilities of ``token_ids`` as the chat or the completions API shows them."""
         if self.token_text is None:
             return None
@@ -430,11 +486,76 @@ class Chunks:
                 {**_chat_logprob(text(token), position.logprob),
                  "top_logprobs": [_chat_logprob(text(top.token_id), top.logprob) for top in position.top]}
                 for token, position in zip(token_ids, positions)]}
-        tokens = [text(token) for token in token_ids]
-        offsets = list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=0)) if tokens else []
-        return {"tokens": tokens, "token_logprobs": [position.logprob for position in positions],
-                "top_logprobs": [{text(top.token_id): top.logprob for top in position.top} for position in positions],
-                "text_offset": offsets}
+        return self._completion_logprobs([text(token) for token in token_ids], [p.logprob for p in positions],
+                                         [{text(top.token_id): top.logprob for top in p.top} for p in positions], index)
+
+    def echo_logprobs(self, echo: Echo, positions, index: int) -> dict | None:
+        """The prompt's part of a completion's log-probabilities, which come first: its first token has none."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        return self._completion_logprobs([text(token) for token in echo.token_ids],
+                                         [None, *(p.logprob for p in positions)],
+                                         [None, *({text(t.token_id): t.logprob for t in p.top} for p in positions)],
+                                         index)
+
+    def _completion_logprobs(self, tokens: list[str], logprobs: list, tops: list, index: int) -> dict:
+        """``text_offset`` counts on from the choice's tokens shown before."""
+        offsets = list(itertools.accumulate((len(token) for token in tokens), initial=self.text_offsets.get(index, 0)))
+        self.text_offsets[index] = offsets[-1]
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets[:-1]}
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two consecutive parts of a completion's log-probabilities as one."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
+
+
+async def _all(awaitables: list):
+    """The results of ``awaitables``, run concurrently; the first failure raises once all have ended."""
+    if len(awaitables) == 1:
+        return [await awaitables[0]]
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, item) from every stream as items come; the first failure raises."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _openai_field(field: str) -> str:
@@ -454,9 +575,10 @@ def _usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _usage(usage: common_pb2.Usage) -> dict:
-    return {**_usage_counts(usage.prompt_tokens, usage.output_tokens),
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def _usage(usages: list[common_pb2.Usage]) -> dict:
+    """The usage of a response: its choices' added up."""
+    return {**_usage_counts(sum(u.prompt_tokens for u in usages), sum(u.output_tokens for u in usages)),
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)}}
 
 
 def _budget_field(body: ChatCompletionRequest | CompletionRequest) -> str:

@@ -17,6 +17,7 @@ from tandem.protocol import CHAT_ROLES
 from tandem.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 256  # in one completions request
 
 
 class _Strict(BaseModel):
@@ -56,7 +57,6 @@ class ChatMessage(_Strict):
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -134,6 +134,10 @@ class _Sampling(_Strict):
         """How many top alternatives each token's log-probability comes with; None: no log-probabilities."""
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -159,20 +163,33 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
+TokenIdList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | list[str]
+    prompt: str | TokenIdList | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[TokenIdList], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("a batch of several prompts is not supported; send one request per prompt")
-            return prompt[0]
+    def _not_empty(cls, prompt):
         if not prompt:
             raise ValueError("must not be empty")
         return prompt
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` returns the prompt's log-probabilities too."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, as text or token ids; a choice is generated for each, in order."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 def without_unhonoured(body: dict) -> dict:

@@ -220,6 +220,63 @@ def test_a_seed_reproduces_a_sampled_completion(client):
     assert client.completions.create(**sampled).choices[0].text == client.completions.create(**sampled).choices[0].text
 
 
+def test_a_list_of_prompts_gets_one_choice_each_in_order(client):
+    texts = ["The sky is", "Once upon a time", "Hello"]
+    alone = [client.completions.create(model=ALIAS, prompt=text, **GREEDY) for text in texts]
+    batch = client.completions.create(model=ALIAS, prompt=texts, **GREEDY)
+    assert [choice.index for choice in batch.choices] == [0, 1, 2]
+    assert [choice.text for choice in batch.choices] == [one.choices[0].text for one in alone]
+    assert batch.usage.prompt_tokens == sum(one.usage.prompt_tokens for one in alone)
+    assert batch.usage.completion_tokens == 18
+    ids = client.completions.create(model=ALIAS, prompt=[[1, 2, 3], [4, 5]], **GREEDY)
+    assert [c.text for c in ids.choices] == [client.completions.create(model=ALIAS, prompt=p, **GREEDY).choices[0].text
+                                             for p in ([1, 2, 3], [4, 5])]
+    stream = client.completions.create(model=ALIAS, prompt=texts, stream=True, stream_options={"include_usage": True},
+                                       **GREEDY)
+    streamed, usage = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [streamed[index] for index in range(3)] == [choice.text for choice in batch.choices]
+    assert usage.completion_tokens == 18
+
+
+def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_reads_them(client, tiny_llama):
+    plain = client.completions.create(model=ALIAS, prompt="The sky is blue", logprobs=1, **GREEDY)
+    echoed = client.completions.create(model=ALIAS, prompt="The sky is blue", logprobs=1, echo=True, **GREEDY)
+    choice = echoed.choices[0]
+    assert choice.text == "The sky is blue" + plain.choices[0].text
+    logprobs, prompt_tokens = choice.logprobs, echoed.usage.prompt_tokens
+    assert len(logprobs.tokens) == prompt_tokens + 6
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.token_logprobs[prompt_tokens:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    stream = client.completions.create(model=ALIAS, prompt="The sky is blue", logprobs=1, echo=True, stream=True,
+                                       **GREEDY)
+    streamed = [lp for chunk in stream for c in chunk.choices if c.logprobs for lp in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-4)
+    from transformers import AutoTokenizer
+
+    prompt_text = AutoTokenizer.from_pretrained(tiny_llama).decode([5, 6, 7])
+    assert client.completions.create(model=ALIAS, prompt=[5, 6, 7], echo=True, **GREEDY).choices[0].text.startswith(
+        prompt_text)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(prompt=["a"] * 257), "prompt"),
+    (dict(prompt=[[1, 2], []]), "prompt"),
+    (dict(prompt="a", suffix="b"), "suffix"),
+    (dict(prompt="a", logprobs=21), "logprobs"),
+    (dict(prompt="a", echo="maybe"), "echo"),
+])
+def test_bad_completion_fields_are_a_bad_request_naming_them(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=ALIAS, max_tokens=2, **fields)
+    assert info.value.body["param"].split(".")[0] == param, info.value.body
+
+
 def test_user_is_accepted_and_ignored(client):
     assert client.chat.completions.create(model=ALIAS, messages=CHAT, user="someone", **GREEDY).choices
 
