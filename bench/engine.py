@@ -35,6 +35,8 @@ from tandem.engine.request import Request
 from tandem.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GREEDY = SamplingParams(temperature=0)
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 
 
 class Prompts:
@@ -56,14 +58,15 @@ class Prompts:
         return [self._rng.randrange(3, self._vocab_size) for _ in range(count)]
 
 
-async def tandem_burst(engine: AsyncEngine, prompts, max_new_tokens: int, tag: str) -> dict:
+async def tandem_burst(engine: AsyncEngine, prompts, max_new_tokens: int, tag: str,
+                       sampling: SamplingParams = GREEDY) -> dict:
     """Submit all prompts at once; measure makespan and client-side TTFT."""
     start = time.perf_counter()
     ttft: list[float] = []
     counts: list[int] = []
 
     async def one(i: int, prompt: list[int]) -> None:
-        request = Request(f"{tag}-{i}", prompt, max_new_tokens, SamplingParams(temperature=0), ignore_eos=True)
+        request = Request(f"{tag}-{i}", prompt, max_new_tokens, sampling, ignore_eos=True)
         count = 0
         async for output in engine.generate(request):
             if count == 0 and output.token_ids:
@@ -79,14 +82,14 @@ async def tandem_burst(engine: AsyncEngine, prompts, max_new_tokens: int, tag: s
 async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: str) -> float:
     """TTFT of one request alone on an idle engine."""
     start = time.perf_counter()
-    async for _ in engine.generate(Request(req_id, prompt, 1, SamplingParams(temperature=0), ignore_eos=True)):
+    async for _ in engine.generate(Request(req_id, prompt, 1, GREEDY, ignore_eos=True)):
         pass
     return time.perf_counter() - start
 
 
 async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
                      priority: str = DEFAULT_ENGINE_PRIORITY, device: str = "cpu", dtype: str | None = None,
-                     cuda_graphs: bool = False) -> dict:
+                     cuda_graphs: bool = False, sampling: SamplingParams = GREEDY) -> dict:
     engine = build_engine(model, device, dtype,
                           scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512),
                           cuda_graphs=cuda_graphs)
@@ -100,14 +103,15 @@ async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_to
             runner.reset_prefix_cache()
             cold_single.append(await first_token_latency(runner, prompt, f"cold-single-{i}"))
         runner.reset_prefix_cache()
-        cold_burst = await tandem_burst(runner, prompts.batch(num_requests), max_new_tokens, "cold-burst")
+        cold_burst = await tandem_burst(runner, prompts.batch(num_requests), max_new_tokens, "cold-burst", sampling)
 
         runner.reset_prefix_cache()
         await first_token_latency(runner, prompts.batch(1)[0], "warmup")
         warm_single = [
             await first_token_latency(runner, prompt, f"warm-single-{i}") for i, prompt in enumerate(prompts.batch(num_requests))
         ]
-        warm_runs = [await tandem_burst(runner, prompts.batch(num_requests), max_new_tokens, f"warm{r}") for r in range(repeats)]
+        warm_runs = [await tandem_burst(runner, prompts.batch(num_requests), max_new_tokens, f"warm{r}", sampling)
+                     for r in range(repeats)]
     finally:
         runner.stop()
     median = sorted(warm_runs, key=lambda run: run["makespan_s"])[len(warm_runs) // 2]
@@ -198,8 +202,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="weights and activations of all systems; auto: the device's natural dtype")
     parser.add_argument("--cuda-graphs", action="store_true", help="Tandem replays steps of decodes from CUDA graphs")
+    parser.add_argument("--logprobs", type=int, default=None, help="Tandem's burst requests ask for N top logprobs")
+    parser.add_argument("--penalties", action="store_true",
+                        help="Tandem's burst requests use " + ", ".join(f"{k}={v}" for k, v in PENALTIES.items()))
     parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
+    sampling = SamplingParams(temperature=0, logprobs=args.logprobs, **(PENALTIES if args.penalties else {}))
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = resolve_dtype(torch.device(args.device), args.dtype)
@@ -211,7 +219,7 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     tandem = asyncio.run(run_tandem(str(model_dir), prompts, args.requests, args.max_new_tokens, args.repeats,
-                                    args.engine_priority, args.device, dtype_name, args.cuda_graphs))
+                                    args.engine_priority, args.device, dtype_name, args.cuda_graphs, sampling))
     results["tandem"] = tandem
     print(f"tandem: {tandem['output_tok_s']:.1f} tok/s, makespan {tandem['makespan_s']:.2f} s", flush=True)
     for name in [p for p in args.peers.split(",") if p]:
@@ -239,6 +247,8 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens,
             "ignore_eos": True,
             "max_active": args.requests,
+            "tandem_logprobs": args.logprobs,
+            "tandem_penalties": PENALTIES if args.penalties else None,
         },
         "model": str(model_dir),
         "device": args.device,

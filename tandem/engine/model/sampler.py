@@ -3,6 +3,7 @@ and top-p with a per-request seeded generator; log-probabilities where a request
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import torch
@@ -15,13 +16,17 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collect
     raw = logits.float()
     processed = _processed(raw, requests, eos_token_ids)
     greedy = processed.argmax(dim=-1).tolist()
-    samples = []
-    for row, request in enumerate(requests):
-        params = request.sampling
-        token = greedy[row] if params.is_greedy else _draw(processed[row], request)
-        logprobs = None if params.logprobs is None else token_logprobs(raw[row:row + 1], [token], params.logprobs)[0]
-        samples.append(Sample(token, logprobs))
-    return samples
+    tokens = [greedy[row] if request.sampling.is_greedy else _draw(processed[row], request)
+              for row, request in enumerate(requests)]
+    logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+    rows = [row for row, request in enumerate(requests) if request.sampling.logprobs is not None]
+    if rows:
+        num_top = max(requests[row].sampling.logprobs for row in rows)
+        computed = token_logprobs(raw[rows], [tokens[row] for row in rows], num_top)
+        for row, position in zip(rows, computed):
+            wanted = requests[row].sampling.logprobs
+            logprobs[row] = position if wanted == num_top else dataclasses.replace(position, top=position.top[:wanted])
+    return [Sample(token, position) for token, position in zip(tokens, logprobs)]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
@@ -44,7 +49,6 @@ def _processed(logits: torch.Tensor, requests: list[Request], eos_token_ids: Col
     if not rows:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[-1]
     for row in rows:
         request, params, scores = requests[row], requests[row].sampling, logits[row]
         if params.logit_bias:
@@ -53,14 +57,44 @@ def _processed(logits: torch.Tensor, requests: list[Request], eos_token_ids: Col
         if request.num_output_tokens < params.min_tokens:
             banned = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_token_ids))
             scores[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
-        if params.repetition_penalty != 1:
-            seen = torch.tensor(request.token_ids, dtype=torch.long).unique()
-            values = scores[seen]
-            scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-        if params.presence_penalty or params.frequency_penalty:
-            counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
-            scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    penalised = [row for row in rows if requests[row].sampling.has_penalties]
+    if penalised:
+        logits[penalised] = _penalised(logits[penalised], [requests[row] for row in penalised])
     return logits
+
+
+def _penalised(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The repetition, frequency and presence penalties of ``requests`` on their rows of ``logits``, at once.
+    Only the logits of tokens a request has seen are touched; a padding column takes the short rows' padding."""
+    vocab = logits.shape[-1]
+    extended = torch.cat((logits, logits.new_zeros(len(requests), 1)), dim=1)
+    repetition = _column(requests, "repetition_penalty", logits.dtype)
+    if bool((repetition != 1).any()):
+        seen = _padded([list(set(r.token_ids)) for r in requests], vocab)
+        values = extended.gather(1, seen)
+        extended.scatter_(1, seen, torch.where(values > 0, values / repetition, values * repetition))
+    frequency = _column(requests, "frequency_penalty", logits.dtype)
+    if bool((frequency != 0).any()):
+        generated = _padded([r.output_token_ids for r in requests], vocab)
+        extended.scatter_add_(1, generated, (-frequency).expand(generated.shape))
+    presence = _column(requests, "presence_penalty", logits.dtype)
+    if bool((presence != 0).any()):
+        generated = _padded([list(set(r.output_token_ids)) for r in requests], vocab)
+        extended.scatter_add_(1, generated, (-presence).expand(generated.shape))
+    return extended[:, :vocab]
+
+
+def _column(requests: list[Request], setting: str, dtype: torch.dtype) -> torch.Tensor:
+    """Each request's sampling ``setting``, as a column."""
+    return torch.tensor([getattr(r.sampling, setting) for r in requests], dtype=dtype)[:, None]
+
+
+def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    """``rows`` of token ids as one tensor, the short ones padded with ``pad``."""
+    padded = torch.full((len(rows), max(1, max(map(len, rows)))), pad, dtype=torch.long)
+    for index, ids in enumerate(rows):
+        padded[index, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return padded
 
 
 def _processes_logits(request: Request) -> bool:
