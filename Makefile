@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: setup setup-vllm proto model test test-fast run bench-engine bench-worker bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers soak compose-test clean
+.PHONY: setup setup-vllm proto model test test-fast eval-check run bench-engine bench-worker bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -48,6 +48,20 @@ test: setup setup-vllm
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not model and not slow"
+
+# lm-evaluation-harness against the router, beside lm-eval's transformers model on the same weights:
+# bench/results/eval-check.json. lm-eval has its own environment, since its pins differ from Tandem's.
+EVAL_VENV := .venv-eval
+EVAL_PY := $(EVAL_VENV)/bin/python
+
+$(EVAL_VENV)/.installed:
+	rm -rf $(EVAL_VENV)
+	$(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_PY) -m pip install --quiet torch==2.13.0 transformers==5.17.0 "lm-eval[hf,api]==0.4.13"
+	touch $@
+
+eval-check: setup $(EVAL_VENV)/.installed
+	$(PY) tests/eval/check.py --eval-python $(EVAL_PY)
 
 run: setup
 	$(PY) -m tandem.cli up
