@@ -76,20 +76,15 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                             help="the model the workers serve, for its tokenizer (default: SmolLM2-135M-Instruct)")
     parser.add_env_argument("--http-port", "TANDEM_HTTP_PORT", defaults.get("http_port", 8000), type=port_number,
                             help="serve the OpenAI-compatible HTTP API on this port (0: off)")
-    parser.add_argument("--served-model-name", action="append",
-                        help="a name requests may give the model by over HTTP, besides its own; repeatable "
-                             f"[env {SERVED_NAMES_ENV}, comma-separated]")
-    parser.env_vars[SERVED_NAMES_ENV] = "served_model_name"
+    parser.add_env_list_argument("--served-model-name", SERVED_NAMES_ENV,
+                                 "a name requests may give the model by over HTTP, besides its own; repeatable")
     parser.add_env_argument("--metrics-port", "TANDEM_METRICS_PORT", defaults.get("metrics_port", 0), type=port_number,
                             help="serve Prometheus metrics on this port (0: off)")
-    parser.add_argument("--worker", action="append",
-                        help="a worker as NAME=KIND@HOST:PORT (KIND cpu or gpu); repeat for more "
-                             f"[env {WORKERS_ENV}, comma-separated]")
-    parser.env_vars[WORKERS_ENV] = "worker"
-    parser.add_argument("--discover", action="append",
-                        help="find workers while running: dns:NAME:PORT:KIND (every address of NAME, re-resolved) or "
-                             f"k8s (pods matching --selector); repeatable [env {DISCOVER_ENV}, comma-separated]")
-    parser.env_vars[DISCOVER_ENV] = "discover"
+    parser.add_env_list_argument("--worker", WORKERS_ENV,
+                                 "a worker as NAME=KIND@HOST:PORT (KIND cpu or gpu); repeat for more")
+    parser.add_env_list_argument("--discover", DISCOVER_ENV,
+                                 "find workers while running: dns:NAME:PORT:KIND (every address of NAME, re-resolved) "
+                                 "or k8s (pods matching --selector); repeatable")
     parser.add_env_argument("--discover-interval-s", "TANDEM_DISCOVER_INTERVAL_S", defaults.get("discover_interval_s", 1.0),
                             type=positive_float, help="seconds between DNS lookups; first retry delay after a failure")
     parser.add_env_argument("--dns-server", "TANDEM_DNS_SERVER", defaults.get("dns_server"),

@@ -24,6 +24,11 @@ class EnvArgumentParser(argparse.ArgumentParser):
         action = self.add_argument(flag, default=default if raw is None else raw, help=f"{help} [env {env}]", **kwargs)
         self.env_vars[env] = action.dest
 
+    def add_env_list_argument(self, flag: str, env: str, help: str) -> None:
+        """Add a repeatable ``flag``; its caller reads ``env`` as a comma-separated list when the flag is absent."""
+        action = self.add_argument(flag, action="append", help=f"{help} [env {env}, comma-separated]")
+        self.env_vars[env] = action.dest
+
 
 def positive_int(text: str) -> int:
     value = int(text)

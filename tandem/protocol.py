@@ -57,8 +57,10 @@ async def prompt_token_ids(message, tokenizer) -> list[int]:
     return ids
 
 
-async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str) -> list[int]:
-    """Token ids of ``conversation`` rendered with the model's chat template, ready for the assistant's turn.
+async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str,
+                      add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``conversation`` rendered with the model's chat template, ready for the assistant's turn
+    (with ``add_generation_prompt``).
 
     Raises:
         InvalidRequestError: a role is unknown, the model has no template, or the template rejects the chat.
@@ -71,7 +73,7 @@ async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str)
                                                            "prompt_token_ids")
     try:
         return await asyncio.to_thread(lambda: list(tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False)))
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)))
     except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
         raise InvalidRequestError(field.partition(".")[0], f"the chat template rejected the messages: {exc}") from None
 

@@ -34,7 +34,8 @@ from sse_starlette import EventSourceResponse
 
 from router_svc import metrics
 from router_svc.errors import RoutingError, Status
-from router_svc.frontends.openai_schema import ChatCompletionRequest, CompletionRequest, without_unhonoured
+from router_svc.frontends.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                 TokenizeRequest, without_unhonoured)
 from router_svc.frontends.preparation import Preparation, Submission
 from router_svc.request_path import RoutedRequest, Router, WorkerOutput
 from tandem.decision import RoutingDecision
@@ -131,6 +132,8 @@ class OpenAIFrontEnd:
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/tandem/v1/explain", self.explain, methods=["POST"])
         app.add_api_route("/tandem/v1/backends", self.backends, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -158,6 +161,34 @@ class OpenAIFrontEnd:
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
         return await self._generate(request, await self._parse(request, CompletionRequest))
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the token ids of a prompt or of a chat, as a completion or chat request would send."""
+        self._authorize(request)
+        body = await self._parse(request, TokenizeRequest)
+        if (body.messages is None) == (body.prompt is None):
+            raise HttpError(400, "prompt: give either prompt or messages", "prompt")
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text} for m in body.messages]
+            try:
+                tokens = await encode_chat(self.tokenizer, conversation, "messages", body.add_generation_prompt)
+            except InvalidRequestError as exc:
+                raise HttpError.of(exc) from None
+        else:
+            tokens = await asyncio.to_thread(
+                lambda: list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]))
+        limits = self.router.registry.model_limits()
+        return JSONResponse({"count": len(tokens), "max_model_len": limits[0] if limits else None, "tokens": tokens,
+                             "token_strs": [self._token_text(t) for t in tokens] if body.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: the text of token ids."""
+        self._authorize(request)
+        body = await self._parse(request, DetokenizeRequest)
+        limits = self.router.registry.model_limits()
+        if limits is not None and any(token >= limits[1] for token in body.tokens):
+            raise HttpError(400, f"tokens: token ids must lie in [0, {limits[1]})", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(body.tokens)})
 
     # --- Tandem's own routes ------------------------------------------------------------------------
 
@@ -214,7 +245,7 @@ class OpenAIFrontEnd:
 
     async def _parse(self, request: Request, schema):
         body = _validated(schema, await _json_object(request))
-        if body.model not in self.model.names:
+        if body.model is not None and body.model not in self.model.names:
             raise HttpError(404, f"the model {body.model!r} does not exist; this server serves "
                                  f"{', '.join(map(repr, self.model.names))}", "model", "model_not_found")
         return body

@@ -204,3 +204,19 @@ def without_unhonoured(body: dict) -> dict:
             shown = " or ".join("null" if value is None else json.dumps(value) for value in accepted)
             raise InvalidRequestError(name, f"is not supported by this server (accepted: {shown})")
     return {name: value for name, value in body.items() if name not in _UNSUPPORTED_DEFAULTS}
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered with the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

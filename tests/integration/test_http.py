@@ -277,6 +277,28 @@ def test_bad_completion_fields_are_a_bad_request_naming_them(client, fields, par
     assert info.value.body["param"].split(".")[0] == param, info.value.body
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(stack, client, tiny_llama):
+    from transformers import AutoTokenizer
+
+    _, url, _ = stack
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    text = httpx.post(f"{url}/tokenize", json={"prompt": "Hello there", "return_token_strs": True}).json()
+    assert text["tokens"] == tokenizer("Hello there")["input_ids"] and text["count"] == len(text["tokens"])
+    assert text["max_model_len"] > 0 and len(text["token_strs"]) == text["count"]
+    chat = httpx.post(f"{url}/tokenize", json={"model": ALIAS, "messages": CHAT}).json()
+    assert chat["tokens"] == tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+    completion = client.chat.completions.create(model=ALIAS, messages=CHAT, **GREEDY)
+    assert completion.usage.prompt_tokens == chat["count"]
+    back = httpx.post(f"{url}/detokenize", json={"tokens": text["tokens"]}).json()
+    assert back["prompt"] == tokenizer.decode(text["tokens"])
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+                              ("/detokenize", {"tokens": [10**7]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "nope"}, "model")):
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
+
+
 def test_user_is_accepted_and_ignored(client):
     assert client.chat.completions.create(model=ALIAS, messages=CHAT, user="someone", **GREEDY).choices
 
