@@ -34,8 +34,9 @@ from sse_starlette import EventSourceResponse
 
 from router_svc import metrics
 from router_svc.errors import RoutingError, Status
+from router_svc.frontends.openai_responses import ResponseObjects
 from router_svc.frontends.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 TokenizeRequest, without_unhonoured)
+                                                 ResponsesRequest, TokenizeRequest, without_unhonoured)
 from router_svc.frontends.preparation import Preparation, Submission
 from router_svc.request_path import RoutedRequest, Router, WorkerOutput
 from tandem.decision import RoutingDecision
@@ -131,6 +132,7 @@ class OpenAIFrontEnd:
                       telemetry={"tracing": False, "metrics": False, "logs": False})
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -282,13 +284,13 @@ class OpenAIFrontEnd:
         try:
             return self.preparation.prepare(Submission(
                 request_id=request_id, prompt_token_ids=prompt, max_new_tokens=body.requested_max_tokens(),
-                frontend="http", prompt_field="chat.messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                frontend="http", prompt_field=body.prompt_field,
                 policy=tandem.policy if tandem and tandem.policy else "", length_key=tandem.length_key if tandem else "",
                 sampling=sampling, stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos, deadline=deadline,
             ))
         except InvalidRequestError as exc:
-            raise HttpError.of(exc, budget_field=_budget_field(body)) from None
+            raise HttpError.of(exc, budget_field=body.budget_field) from None
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
@@ -298,8 +300,21 @@ class OpenAIFrontEnd:
         routed = [self._routed(body, prompt, request_id if len(prompts) == 1 else f"{request_id}-{index}", deadline)
                   for index, prompt in enumerate(prompts)]
         span = self._span(request, f"POST {request.url.path}")
+        generations = await self._started(routed, request_id, span)
+        echoed = self._echoed(body, prompts)
+        chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
+                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body))
+        headers = {"x-request-id": request_id, "x-tandem-worker": ",".join(g.worker for g in generations)}
+        if body.stream:
+            return EventSourceResponse(self._stream(generations, echoed, chunks, span), headers=headers, sep="\n")
+        outcomes = await self._collected(generations, span)
+        headers["x-tandem-worker"] = ",".join(g.worker for g in generations)
+        return JSONResponse(chunks.complete(outcomes, echoed), headers=headers)
+
+    async def _started(self, routed: list[RoutedRequest], request_id: str, span) -> list["Generation"]:
+        """A generation per routed request, each past its first output; a failure before any is an HTTP error."""
         span.set_attributes({"tandem.request_id": request_id,
-                             "gen_ai.usage.input_tokens": sum(len(prompt) for prompt in prompts),
+                             "gen_ai.usage.input_tokens": sum(each.prompt_tokens for each in routed),
                              "gen_ai.request.max_tokens": routed[0].max_new_tokens})
         generations = [Generation(self.router.generate(each, span), index) for index, each in enumerate(routed)]
         try:
@@ -313,22 +328,59 @@ class OpenAIFrontEnd:
             span.end()
             await _all([generation.close() for generation in generations])
             raise
-        echoed = self._echoed(body, prompts)
-        chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
-                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body))
-        headers = {"x-request-id": request_id, "x-tandem-worker": ",".join(g.worker for g in generations)}
-        if body.stream:
-            return EventSourceResponse(self._stream(generations, echoed, chunks, span), headers=headers, sep="\n")
+        return generations
+
+    @staticmethod
+    async def _collected(generations: list["Generation"], span) -> list["Outcome"]:
         try:
-            outcomes = await _all([generation.collect() for generation in generations])
+            return await _all([generation.collect() for generation in generations])
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             raise HttpError.of(exc) from None
         finally:
             span.end()
             await _all([generation.close() for generation in generations])
-        headers["x-tandem-worker"] = ",".join(g.worker for g in generations)
-        return JSONResponse(chunks.complete(outcomes, echoed), headers=headers)
+
+    async def responses(self, request: Request) -> Response:
+        """The Responses API, stateless: the conversation rendered as a chat, one message out."""
+        self._authorize(request)
+        body = await self._parse(request, ResponsesRequest)
+        try:
+            prompt = await encode_chat(self.tokenizer, body.conversation(), "input")
+        except InvalidRequestError as exc:
+            raise HttpError.of(exc) from None
+        request_id = self._request_id(request)
+        routed = self._routed(body, prompt, request_id, _deadline(request))
+        span = self._span(request, f"POST {request.url.path}")
+        generations = await self._started([routed], request_id, span)
+        objects = ResponseObjects(f"resp_{request_id}", body)
+        headers = {"x-request-id": request_id, "x-tandem-worker": generations[0].worker}
+        if body.stream:
+            return EventSourceResponse(self._response_events(generations[0], objects, span), headers=headers, sep="\n")
+        outcome, = await self._collected(generations, span)
+        return JSONResponse(objects.response(outcome.text, outcome.result), headers=headers)
+
+    async def _response_events(self, generation: "Generation", objects: ResponseObjects, span) -> AsyncIterator[dict]:
+        try:
+            for event in objects.opening_events():
+                yield _event(event)
+            text = []
+            async for response in generation.responses():
+                if response.text:
+                    text.append(response.text)
+                    yield _event(objects.delta_event(response.text))
+                if response.HasField("result"):
+                    for event in objects.closing_events("".join(text), response.result):
+                        yield _event(event)
+        except RoutingError as exc:
+            mark_failed_status(span, exc.status.name, str(exc))
+            yield _event(objects.event("error", **HttpError.of(exc).body()["error"]))
+        except BaseException as exc:
+            mark_failed(span, exc)
+            raise
+        finally:
+            await generation.close()
+            span.end()
 
     def _echoed(self, body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]]) -> list["Echo | None"]:
         """What a completion with ``echo`` repeats of each prompt: its text as given (or decoded from token ids),
@@ -612,11 +664,6 @@ def _usage(usages: list[common_pb2.Usage]) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)}}
 
 
-def _budget_field(body: ChatCompletionRequest | CompletionRequest) -> str:
-    """The field the request set its output budget with."""
-    return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-
-
 def _deadline(request: Request) -> float | None:
     """The ``time.monotonic()`` instant by which the request must end, from the ``x-request-timeout`` header
     (seconds); None without one."""
@@ -631,6 +678,11 @@ def _deadline(request: Request) -> float | None:
         raise HttpError(400, f"the {TIMEOUT_HEADER} header must be a positive number of seconds, got {given!r}",
                         TIMEOUT_HEADER)
     return time.monotonic() + seconds
+
+
+def _event(payload: dict) -> dict:
+    """A server-sent event of the Responses API: named by its type."""
+    return {"event": payload["type"], **_data(payload)}
 
 
 def _data(payload: dict) -> dict:

@@ -8,7 +8,7 @@ is silently dropped. ``user`` is accepted and ignored.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -141,6 +141,13 @@ class _Sampling(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def budget_field(self) -> str:
+        """The field the request set its output budget with."""
+        return "max_tokens"
+
+    prompt_field: ClassVar[str] = "prompt"  # where the prompt is, as the router names it in errors
+
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -161,6 +168,12 @@ class ChatCompletionRequest(_Sampling):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def budget_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    prompt_field: ClassVar[str] = "chat.messages"
 
 
 TokenIdList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -220,3 +233,83 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list | None = None  # on output_text items a client sends back
+
+
+class InputMessage(_Strict):
+    """An item of a Responses request's ``input``: a message (the only kind served without tools)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Sampling):
+    """The Responses API, stateless: every request carries its whole conversation."""
+
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    text: TextOptions | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    tools: list | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    truncation: Literal["disabled"] | None = None
+    metadata: dict[str, str] | None = None
+    include: Annotated[list, Field(max_length=0)] | None = None
+
+    @field_validator("store", "previous_response_id")
+    @classmethod
+    def _stateless(cls, value):
+        if value:
+            raise ValueError("this server stores no responses; send the whole conversation as input")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools):
+        if tools:
+            raise ValueError("tools are not served by this server")
+        return tools
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def budget_field(self) -> str:
+        return "max_output_tokens"
+
+    prompt_field: ClassVar[str] = "input"
+
+    def conversation(self) -> list[dict[str, str]]:
+        """``instructions`` and ``input`` as chat messages (a developer message is a system one)."""
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        return [*messages, *({"role": "system" if item.role == "developer" else item.role, "content": item.text}
+                             for item in self.input)]

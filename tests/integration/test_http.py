@@ -299,6 +299,50 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(stack, client, tiny_llama):
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
 
 
+RESPONSE = dict(model=ALIAS, temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True})
+
+
+def test_the_responses_api_whole_and_streamed(client):
+    chat = client.chat.completions.create(model=ALIAS, messages=CHAT, **GREEDY)
+    response = client.responses.create(instructions="You are terse.", input="Say hello", **RESPONSE)
+    assert response.object == "response" and response.status == "incomplete"  # ignore_eos: it ran to the budget
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text == chat.choices[0].message.content
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    items = client.responses.create(input=[{"role": "developer", "content": "You are terse."},
+                                           {"role": "user", "content": [{"type": "input_text", "text": "Say hello"}]}],
+                                    **RESPONSE)
+    assert items.output_text == response.output_text
+    events = list(client.responses.create(instructions="You are terse.", input="Say hello", stream=True, **RESPONSE))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == response.output_text
+    finished = client.responses.create(input="Say hello", model=ALIAS, temperature=0, max_output_tokens=64)
+    assert finished.status in ("completed", "incomplete") and finished.output[0].role == "assistant"
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(store=True), "store"),
+    (dict(previous_response_id="resp_1"), "previous_response_id"),
+    (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+    (dict(text={"format": {"type": "json_object"}}), "text"),
+    (dict(input=[{"role": "robot", "content": "hi"}]), "input"),
+    (dict(max_output_tokens=0), "max_output_tokens"),
+    (dict(max_output_tokens=10**6), "max_output_tokens"),
+])
+def test_bad_responses_fields_are_a_bad_request_naming_them(client, fields, param):
+    request = dict(model=ALIAS, input="hi", max_output_tokens=4)
+    request.update(fields)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**request)
+    assert info.value.body["param"].split(".")[0] == param, info.value.body
+
+
 def test_user_is_accepted_and_ignored(client):
     assert client.chat.completions.create(model=ALIAS, messages=CHAT, user="someone", **GREEDY).choices
 
