@@ -57,14 +57,24 @@ async def prompt_token_ids(message, tokenizer) -> list[int]:
     return ids
 
 
-async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str,
-                      add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``conversation`` rendered with the model's chat template, ready for the assistant's turn
-    (with ``add_generation_prompt``).
+# Arguments of apply_chat_template that a request's template variables may not replace.
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "chat_template", "tokenize", "return_dict", "tools",
+                                 "documents", "add_generation_prompt", "continue_final_message"})
+
+
+async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, template_variables: dict | None = None) -> list[int]:
+    """Token ids of ``conversation`` rendered with the model's chat template: ready for the assistant's turn
+    (``add_generation_prompt``), or open at the end of its last message for the model to continue
+    (``continue_final_message``); ``template_variables`` go to the template besides the messages.
 
     Raises:
         InvalidRequestError: a role is unknown, the model has no template, or the template rejects the chat.
     """
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("continue_final_message", "cannot be set with add_generation_prompt")
+    for name in _TEMPLATE_ARGUMENTS.intersection(template_variables or {}):
+        raise InvalidRequestError(f"chat_template_kwargs.{name}", "is set by the request itself, not a template variable")
     for index, message in enumerate(conversation):
         if message["role"] not in CHAT_ROLES:
             raise InvalidRequestError(f"{field}[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}")
@@ -73,7 +83,8 @@ async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str,
                                                            "prompt_token_ids")
     try:
         return await asyncio.to_thread(lambda: list(tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)))
+            conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            tokenize=True, return_dict=False, **(template_variables or {}))))
     except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
         raise InvalidRequestError(field.partition(".")[0], f"the chat template rejected the messages: {exc}") from None
 

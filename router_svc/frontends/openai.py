@@ -234,7 +234,8 @@ class OpenAIFrontEnd:
         if isinstance(body, ChatCompletionRequest):
             conversation = [{"role": m.role, "content": m.text} for m in body.messages]
             try:
-                return [await encode_chat(self.tokenizer, conversation, "messages")]
+                return [await encode_chat(self.tokenizer, conversation, "messages", body.add_generation_prompt,
+                                          body.continue_final_message, body.chat_template_kwargs)]
             except InvalidRequestError as exc:
                 raise HttpError.of(exc) from None
         texts = [prompt for prompt in body.prompts if isinstance(prompt, str)]

@@ -299,6 +299,27 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(stack, client, tiny_llama):
         assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
 
 
+def test_vllms_chat_rendering_extensions(client, tiny_llama):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    partial = [*CHAT, {"role": "assistant", "content": "Hello, I am"}]
+    continued = client.chat.completions.create(model=ALIAS, messages=partial, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}})
+    expected = tokenizer.apply_chat_template(partial, continue_final_message=True, tokenize=True, return_dict=False)
+    assert continued.usage.prompt_tokens == len(expected)
+    plain = client.chat.completions.create(model=ALIAS, messages=CHAT, **GREEDY)
+    with_variables = client.chat.completions.create(model=ALIAS, messages=CHAT, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}})
+    assert with_variables.choices[0].message.content == plain.choices[0].message.content
+    for extra, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                          "chat_template_kwargs.add_generation_prompt")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=ALIAS, messages=partial, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+
+
 RESPONSE = dict(model=ALIAS, temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True})
 
 
