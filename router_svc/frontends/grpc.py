@@ -80,6 +80,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             max_new_tokens=message.max_new_tokens, frontend="grpc", prompt_field="chat.messages" if given == "chat" else given,
             policy=message.policy, length_key=message.length_key, sampling=message.sampling, stop=tuple(message.stop),
             stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
+            include_stop_string=message.include_stop_string, keep_special_tokens=message.keep_special_tokens,
             deadline=None if time_remaining is None else time.monotonic() + time_remaining,
         ))
 

@@ -288,7 +288,8 @@ class OpenAIFrontEnd:
                 frontend="http", prompt_field=body.prompt_field,
                 policy=tandem.policy if tandem and tandem.policy else "", length_key=tandem.length_key if tandem else "",
                 sampling=sampling, stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, deadline=deadline,
+                ignore_eos=body.ignore_eos, include_stop_string=body.include_stop_str_in_output,
+                keep_special_tokens=not body.skip_special_tokens, deadline=deadline,
             ))
         except InvalidRequestError as exc:
             raise HttpError.of(exc, budget_field=body.budget_field) from None

@@ -94,6 +94,8 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's extensions for the text: special tokens add none by default,
+    include_stop_str_in_output: bool = False  # and the stop string that ended the output is left out
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprobs show tokens as "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -38,6 +38,8 @@ class Submission:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_string: bool = False
+    keep_special_tokens: bool = False
     deadline: float | None = None
 
 
@@ -75,6 +77,7 @@ class Preparation:
             request_id=submission.request_id, prompt_token_ids=worker_pb2.TokenIds(ids=submission.prompt_token_ids),
             max_new_tokens=max_new_tokens, sampling=submission.sampling, stop=submission.stop,
             stop_token_ids=submission.stop_token_ids, ignore_eos=submission.ignore_eos,
+            include_stop_string=submission.include_stop_string, keep_special_tokens=submission.keep_special_tokens,
         )
         return RoutedRequest(submission.request_id, submission.prompt_token_ids, max_new_tokens, policy, worker_request,
                              submission.deadline, submission.frontend, submission.length_key)

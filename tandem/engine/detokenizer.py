@@ -24,15 +24,20 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: anything with a Hugging Face style ``decode``.
         prompt_token_ids: the prompt, whose tail gives the first output tokens their context.
-        stop_strings: generation stops before the first occurrence of any of these.
+        stop_strings: generation stops at the first occurrence of any of these.
+        include_stop_string: the text ends after the stop string found, not before it.
+        skip_special_tokens: special tokens add no text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop_strings: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], stop_strings: Sequence[str] = (),
+                 include_stop_string: bool = False, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
         self._stop_strings = tuple(s for s in stop_strings if s)
+        self._include_stop_string = include_stop_string
+        self._skip_special_tokens = skip_special_tokens
         self._holdback = max((len(s) for s in self._stop_strings), default=1) - 1
         self.text = ""
         self._emitted = 0
@@ -77,9 +82,10 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     def _find_stop(self, search_from: int) -> None:
-        positions = [p for p in (self.text.find(s, search_from) for s in self._stop_strings) if p >= 0]
-        if positions:
-            self.text = self.text[:min(positions)]
+        found = [(p, -len(s)) for p, s in ((self.text.find(s, search_from), s) for s in self._stop_strings) if p >= 0]
+        if found:
+            position, minus_length = min(found)  # the first; of those that start there, the longest
+            self.text = self.text[:position - minus_length if self._include_stop_string else position]
             self.stopped = True
 
     def _release(self, final: bool) -> str:
@@ -89,4 +95,4 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -130,8 +130,8 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self._requests[request.req_id] = request
         self._detokenizers[request.req_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.stop_strings
-        )
+            self.tokenizer, request.prompt_token_ids, request.stop_strings, request.include_stop_string,
+            request.skip_special_tokens)
         self.seq += 1
 
     def abort(self, req_id: str) -> RequestOutput | None:

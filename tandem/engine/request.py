@@ -85,6 +85,8 @@ class Request:
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    include_stop_string: bool = False
+    skip_special_tokens: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING

@@ -439,6 +439,8 @@ def _vllm_sampling(request: Request) -> VllmSamplingParams:
             logprobs=sampling.logprobs,
             prompt_logprobs=sampling.prompt_logprobs,
             stop=list(request.stop_strings),
+            include_stop_str_in_output=request.include_stop_string,
+            skip_special_tokens=request.skip_special_tokens,
             stop_token_ids=sorted(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             output_kind=RequestOutputKind.DELTA,

@@ -200,6 +200,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ignore_eos=message.ignore_eos,
             stop_token_ids=frozenset(message.stop_token_ids),
             stop_strings=tuple(message.stop),
+            include_stop_string=message.include_stop_string,
+            skip_special_tokens=not message.keep_special_tokens,
         )
 
     def _state_message(self, state: EngineState, cached: CachedPrefix,

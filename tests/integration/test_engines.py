@@ -146,6 +146,18 @@ def test_stop_token_ids_and_stop_strings_end_the_stream(worker):
                        ignore_eos=True, stop=[stop])
     assert stop not in "".join(r.text for r in stopped)
     assert stopped[-1].result.finish_reason == common_pb2.FINISH_REASON_STOP
+    kept = generate(worker, prompt_text="The quick brown fox", max_new_tokens=16, sampling=GREEDY, ignore_eos=True,
+                    stop=[stop], include_stop_string=True)
+    assert "".join(r.text for r in kept) == "".join(r.text for r in stopped) + stop
+
+
+def test_special_tokens_add_text_only_when_kept(worker):
+    eos = worker.stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).eos_token_ids[0]
+    forced = common_pb2.SamplingParams(temperature=0, logit_bias={eos: 100.0})
+    request = dict(prompt_token_ids=ids(list(range(20, 30))), max_new_tokens=3, sampling=forced, ignore_eos=True)
+    assert tokens_of(generate(worker, **request)) == [eos] * 3
+    assert "".join(r.text for r in generate(worker, **request)) == ""
+    assert "".join(r.text for r in generate(worker, keep_special_tokens=True, **request)) == "</s>" * 3
 
 
 def test_a_seeded_sample_repeats(worker):

@@ -320,6 +320,22 @@ def test_vllms_chat_rendering_extensions(client, tiny_llama):
         assert info.value.body["param"] == param, info.value.body
 
 
+def test_vllms_text_extensions(client, tiny_llama):
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tiny_llama).eos_token_id
+    forced = dict(model=ALIAS, prompt=[1, 2, 3], max_tokens=2, temperature=0, logit_bias={str(eos): 100})
+    assert client.completions.create(**forced, extra_body={"ignore_eos": True}).choices[0].text == ""
+    assert client.completions.create(**forced, extra_body={"ignore_eos": True, "skip_special_tokens": False}
+                                     ).choices[0].text == "</s></s>"
+    text = client.completions.create(model=ALIAS, prompt="The sky", **GREEDY).choices[0].text
+    stop = text.strip()[:2]
+    cut = client.completions.create(model=ALIAS, prompt="The sky", stop=[stop], **GREEDY).choices[0].text
+    kept = client.completions.create(model=ALIAS, prompt="The sky", stop=[stop], **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "include_stop_str_in_output": True}}).choices[0].text
+    assert kept == cut + stop
+
+
 RESPONSE = dict(model=ALIAS, temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True})
 
 

@@ -208,3 +208,15 @@ def test_randomized_streams_match_the_full_text():
         assert detokenizer.stopped == bool(positions)
         stopped_runs += detokenizer.stopped
     assert 30 < stopped_runs < 270, "the generator should produce both stopped and unstopped streams"
+
+
+def test_the_stop_string_can_be_kept_and_special_tokens_can_add_text():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.ids("Hello", " wor", "ld", None, "!")
+    kept = IncrementalDetokenizer(tokenizer, [], ["wor"], include_stop_string=True)
+    assert "".join(kept.add_token(token) for token in ids[:3]) + kept.flush() == "Hello wor"
+    assert kept.stopped
+    shown = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    assert "".join(shown.add_token(token) for token in ids) + shown.flush() == "Hello world<special>!"
+    hidden = IncrementalDetokenizer(tokenizer, [])
+    assert "".join(hidden.add_token(token) for token in ids) + hidden.flush() == "Hello world!"
