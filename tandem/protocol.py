@@ -27,6 +27,8 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
     given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
     if message.logit_bias:
         given["logit_bias"] = dict(message.logit_bias)
+    if message.allowed_token_ids:
+        given["allowed_token_ids"] = frozenset(message.allowed_token_ids)
     try:
         return SamplingParams(**given)
     except InvalidRequestError as exc:

@@ -15,7 +15,7 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How the next token is chosen. ``temperature == 0`` means greedy.
 
-    The logits are processed in this order: ``logit_bias``, the ban on ending before ``min_tokens``, the
+    The logits are processed in this order: ``allowed_token_ids``, ``logit_bias``, the ban on ending before ``min_tokens``, the
     repetition, frequency and presence penalties, then ``temperature``, ``min_p``, ``top_k`` and ``top_p``.
     Log-probabilities are those of the model's own distribution, before any of these.
 
@@ -32,6 +32,7 @@ class SamplingParams:
         min_tokens: the end-of-sequence token, the stop token ids and the stop strings cannot end the request
             before it has generated this many tokens.
         logit_bias: added to the logit of each token id, each in [-100, 100].
+        allowed_token_ids: when not empty, only these token ids can be sampled.
         logprobs: return each generated token's log-probability and this many of the most likely
             alternatives (0 to ``MAX_LOGPROBS``); None returns none.
         prompt_logprobs: the same for every prompt token after the first; None returns none.
@@ -47,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
+    allowed_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -74,6 +76,8 @@ class SamplingParams:
                 raise InvalidRequestError("logit_bias", f"keys must be token ids >= 0, got {token!r}")
             if not _is_number(bias) or not (-100 <= bias <= 100):
                 raise InvalidRequestError(f"logit_bias.{token}", f"must be in [-100, 100], got {bias!r}")
+        if any(not _is_int(token) or token < 0 for token in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids", "must be token ids >= 0")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

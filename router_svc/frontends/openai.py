@@ -234,8 +234,9 @@ class OpenAIFrontEnd:
         if isinstance(body, ChatCompletionRequest):
             conversation = [{"role": m.role, "content": m.text} for m in body.messages]
             try:
-                return [await encode_chat(self.tokenizer, conversation, "messages", body.add_generation_prompt,
-                                          body.continue_final_message, body.chat_template_kwargs)]
+                return [_truncated(body, await encode_chat(self.tokenizer, conversation, "messages",
+                                                           body.add_generation_prompt, body.continue_final_message,
+                                                           body.chat_template_kwargs))]
             except InvalidRequestError as exc:
                 raise HttpError.of(exc) from None
         texts = [prompt for prompt in body.prompts if isinstance(prompt, str)]
@@ -244,7 +245,7 @@ class OpenAIFrontEnd:
         prompts = [list(prompt) if isinstance(prompt, list) else next(encoded) for prompt in body.prompts]
         if not all(prompts):
             raise HttpError(400, "prompt: must not be empty", "prompt")
-        return prompts
+        return [_truncated(body, prompt) for prompt in prompts]
 
     async def _parse(self, request: Request, schema):
         body = _validated(schema, await _json_object(request))
@@ -273,7 +274,7 @@ class OpenAIFrontEnd:
                                   attributes={"http.request.method": request.method, "url.path": request.url.path})
 
     def _routed(self, body, prompt: list[int], request_id: str, deadline: float | None = None) -> RoutedRequest:
-        sampling = common_pb2.SamplingParams(logit_bias=body.logit_bias, **{
+        sampling = common_pb2.SamplingParams(logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids, **{
             name: value for name, value in (
                 ("temperature", body.temperature), ("top_p", body.top_p),
                 ("top_k", None if body.top_k is None else max(0, body.top_k)), ("min_p", body.min_p),
@@ -348,7 +349,7 @@ class OpenAIFrontEnd:
         self._authorize(request)
         body = await self._parse(request, ResponsesRequest)
         try:
-            prompt = await encode_chat(self.tokenizer, body.conversation(), "input")
+            prompt = _truncated(body, await encode_chat(self.tokenizer, body.conversation(), "input"))
         except InvalidRequestError as exc:
             raise HttpError.of(exc) from None
         request_id = self._request_id(request)
@@ -389,7 +390,8 @@ class OpenAIFrontEnd:
         and its token ids for log-probabilities; None for each without."""
         if isinstance(body, ChatCompletionRequest) or not body.echo:
             return [None] * len(prompts)
-        return [Echo(given if isinstance(given, str) else self.tokenizer.decode(ids), ids)
+        return [Echo(given if isinstance(given, str) and not body.truncate_prompt_tokens else self.tokenizer.decode(ids),
+                     ids)
                 for given, ids in zip(body.prompts, prompts)]
 
     async def _stream(self, generations: list["Generation"], echoed: list["Echo | None"], chunks: "Chunks",
@@ -641,6 +643,11 @@ async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, obje
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _truncated(body, prompt: list[int]) -> list[int]:
+    """``prompt`` cut to its last ``truncate_prompt_tokens`` tokens, where the request asks for that."""
+    return prompt[-body.truncate_prompt_tokens:] if body.truncate_prompt_tokens else prompt
 
 
 def _openai_field(field: str) -> str:

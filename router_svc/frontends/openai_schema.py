@@ -91,6 +91,8 @@ class _Sampling(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's extensions: only these may be
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # sampled; keep the prompt's last N tokens
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False

@@ -73,6 +73,7 @@ class Preparation:
             raise InvalidRequestError("sampling.min_tokens", f"must be at most the output budget ({max_new_tokens} "
                                                              f"tokens), got {sampling.min_tokens}")
         self._check_vocabulary("sampling.logit_bias", sampling.logit_bias)
+        self._check_vocabulary("sampling.allowed_token_ids", sampling.allowed_token_ids)
         worker_request = worker_pb2.GenerateRequest(
             request_id=submission.request_id, prompt_token_ids=worker_pb2.TokenIds(ids=submission.prompt_token_ids),
             max_new_tokens=max_new_tokens, sampling=submission.sampling, stop=submission.stop,

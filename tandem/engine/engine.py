@@ -334,9 +334,11 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, num_
     for token in request.stop_token_ids:
         if not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidRequestError("stop_token_ids", f"token id {token!r} is outside the vocabulary [0, {vocab_size})")
-    for token in request.sampling.logit_bias:
-        if token >= vocab_size:
-            raise InvalidRequestError("sampling.logit_bias", f"token id {token} is outside the vocabulary [0, {vocab_size})")
+    for field, tokens in (("logit_bias", request.sampling.logit_bias), ("allowed_token_ids",
+                                                                         request.sampling.allowed_token_ids)):
+        for token in tokens:
+            if token >= vocab_size:
+                raise InvalidRequestError(f"sampling.{field}", f"token id {token} is outside the vocabulary [0, {vocab_size})")
     if request.sampling.min_tokens > request.max_new_tokens:
         raise InvalidRequestError("sampling.min_tokens", f"must be at most max_new_tokens ({request.max_new_tokens}), "
                                                          f"got {request.sampling.min_tokens}")

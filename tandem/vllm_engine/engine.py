@@ -436,6 +436,7 @@ def _vllm_sampling(request: Request) -> VllmSamplingParams:
             repetition_penalty=sampling.repetition_penalty,
             min_tokens=sampling.min_tokens,
             logit_bias=dict(sampling.logit_bias) or None,
+            allowed_token_ids=sorted(sampling.allowed_token_ids) or None,
             logprobs=sampling.logprobs,
             prompt_logprobs=sampling.prompt_logprobs,
             stop=list(request.stop_strings),

@@ -39,6 +39,15 @@ def test_logit_bias_moves_the_choice():
     assert greedy_pick(LOGITS, request_with(SamplingParams(temperature=0, logit_bias={3: -1.0}))) == 4
 
 
+def test_allowed_token_ids_limit_the_choice_before_the_bias():
+    only = SamplingParams(temperature=0, allowed_token_ids=frozenset({0, 6}))
+    assert greedy_pick(LOGITS, request_with(only)) == 0
+    assert greedy_pick(LOGITS, request_with(SamplingParams(temperature=0, allowed_token_ids=frozenset({0, 6}),
+                                                           logit_bias={6: 2.0}))) == 6
+    sampled = SamplingParams(temperature=1.0, allowed_token_ids=frozenset({5, 7}), seed=0)
+    assert {greedy_pick(LOGITS, request_with(sampled)) for _ in range(30)} <= {5, 7}
+
+
 def test_presence_penalty_counts_a_generated_token_once_and_frequency_penalty_per_time():
     presence = SamplingParams(temperature=0, presence_penalty=0.6)
     assert greedy_pick(LOGITS, request_with(presence, output=[3])) == 4  # 3.0 - 0.6 < 2.5

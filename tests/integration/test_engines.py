@@ -204,6 +204,9 @@ def test_penalties_bias_and_min_tokens_on_both_engines(worker, tiny_llama_64):
     output = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=8, sampling=penalised,
                                 ignore_eos=True))
     assert output.count(7) < 8
+    allowed = common_pb2.SamplingParams(temperature=0, allowed_token_ids=[11, 12])
+    assert set(tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=6, sampling=allowed,
+                                  ignore_eos=True))) <= {11, 12}
     held = common_pb2.SamplingParams(temperature=0, min_tokens=4)
     output = tokens_of(generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=8, sampling=held,
                                 stop_token_ids=[plain[0]]))
@@ -235,6 +238,8 @@ def test_penalties_bias_and_min_tokens_on_both_engines(worker, tiny_llama_64):
             logit_bias={5000: 1.0})), grpc.StatusCode.INVALID_ARGUMENT, "sampling.logit_bias"),
         (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(min_tokens=5)),
          grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_tokens"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(
+            allowed_token_ids=[5000])), grpc.StatusCode.INVALID_ARGUMENT, "sampling.allowed_token_ids"),
     ],
 )
 def test_invalid_input_gets_the_same_status_and_field_on_both_engines(worker, fields, code, field):

@@ -336,6 +336,22 @@ def test_vllms_text_extensions(client, tiny_llama):
     assert kept == cut + stop
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens(client):
+    allowed = client.completions.create(model=ALIAS, prompt=[1, 2, 3], **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "allowed_token_ids": [40, 41], "return_tokens_as_token_ids": True}}, logprobs=0)
+    assert set(allowed.choices[0].logprobs.tokens) <= {"token_id:40", "token_id:41"}
+    long_prompt = list(range(5, 105))
+    cut = client.completions.create(model=ALIAS, prompt=long_prompt, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 10}})
+    tail = client.completions.create(model=ALIAS, prompt=long_prompt[-10:], **GREEDY)
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == tail.choices[0].text
+    for extra, param in (({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=ALIAS, prompt="a", max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+
+
 RESPONSE = dict(model=ALIAS, temperature=0, max_output_tokens=6, extra_body={"ignore_eos": True})
 
 

@@ -51,6 +51,11 @@ def _processed(logits: torch.Tensor, requests: list[Request], eos_token_ids: Col
     logits = logits.clone()
     for row in rows:
         request, params, scores = requests[row], requests[row].sampling, logits[row]
+        if params.allowed_token_ids:
+            allowed = torch.tensor(sorted(params.allowed_token_ids), dtype=torch.long)
+            kept = scores[allowed]
+            scores.fill_(float("-inf"))
+            scores[allowed] = kept
         if params.logit_bias:
             scores[torch.tensor(list(params.logit_bias), dtype=torch.long)] += torch.tensor(
                 list(params.logit_bias.values()), dtype=scores.dtype)
@@ -99,7 +104,8 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
 
 def _processes_logits(request: Request) -> bool:
     params = request.sampling
-    return bool(params.logit_bias) or params.has_penalties or request.num_output_tokens < params.min_tokens
+    return bool(params.logit_bias or params.allowed_token_ids) or params.has_penalties \
+        or request.num_output_tokens < params.min_tokens
 
 
 def _draw(scores: torch.Tensor, request: Request) -> int:
