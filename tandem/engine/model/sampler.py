@@ -49,19 +49,20 @@ def _processed(logits: torch.Tensor, requests: list[Request], eos_token_ids: Col
     if not rows:
         return logits
     logits = logits.clone()
+    device = logits.device
     for row in rows:
         request, params, scores = requests[row], requests[row].sampling, logits[row]
         if params.allowed_token_ids:
-            allowed = torch.tensor(sorted(params.allowed_token_ids), dtype=torch.long)
+            allowed = torch.tensor(sorted(params.allowed_token_ids), dtype=torch.long, device=device)
             kept = scores[allowed]
             scores.fill_(float("-inf"))
             scores[allowed] = kept
         if params.logit_bias:
-            scores[torch.tensor(list(params.logit_bias), dtype=torch.long)] += torch.tensor(
-                list(params.logit_bias.values()), dtype=scores.dtype)
+            scores[torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)] += torch.tensor(
+                list(params.logit_bias.values()), dtype=scores.dtype, device=device)
         if request.num_output_tokens < params.min_tokens:
             banned = set(request.stop_token_ids) | (set() if request.ignore_eos else set(eos_token_ids))
-            scores[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+            scores[torch.tensor(sorted(banned), dtype=torch.long, device=device)] = float("-inf")
     penalised = [row for row in rows if requests[row].sampling.has_penalties]
     if penalised:
         logits[penalised] = _penalised(logits[penalised], [requests[row] for row in penalised])
@@ -73,33 +74,33 @@ def _penalised(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     Only the logits of tokens a request has seen are touched; a padding column takes the short rows' padding."""
     vocab = logits.shape[-1]
     extended = torch.cat((logits, logits.new_zeros(len(requests), 1)), dim=1)
-    repetition = _column(requests, "repetition_penalty", logits.dtype)
+    repetition = _column(requests, "repetition_penalty", logits)
     if bool((repetition != 1).any()):
-        seen = _padded([list(set(r.token_ids)) for r in requests], vocab)
+        seen = _padded([list(set(r.token_ids)) for r in requests], vocab, logits.device)
         values = extended.gather(1, seen)
         extended.scatter_(1, seen, torch.where(values > 0, values / repetition, values * repetition))
-    frequency = _column(requests, "frequency_penalty", logits.dtype)
+    frequency = _column(requests, "frequency_penalty", logits)
     if bool((frequency != 0).any()):
-        generated = _padded([r.output_token_ids for r in requests], vocab)
+        generated = _padded([r.output_token_ids for r in requests], vocab, logits.device)
         extended.scatter_add_(1, generated, (-frequency).expand(generated.shape))
-    presence = _column(requests, "presence_penalty", logits.dtype)
+    presence = _column(requests, "presence_penalty", logits)
     if bool((presence != 0).any()):
-        generated = _padded([list(set(r.output_token_ids)) for r in requests], vocab)
+        generated = _padded([list(set(r.output_token_ids)) for r in requests], vocab, logits.device)
         extended.scatter_add_(1, generated, (-presence).expand(generated.shape))
     return extended[:, :vocab]
 
 
-def _column(requests: list[Request], setting: str, dtype: torch.dtype) -> torch.Tensor:
-    """Each request's sampling ``setting``, as a column."""
-    return torch.tensor([getattr(r.sampling, setting) for r in requests], dtype=dtype)[:, None]
+def _column(requests: list[Request], setting: str, like: torch.Tensor) -> torch.Tensor:
+    """Each request's sampling ``setting``, as a column of ``like``'s dtype on its device."""
+    return torch.tensor([getattr(r.sampling, setting) for r in requests], dtype=like.dtype, device=like.device)[:, None]
 
 
-def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
-    """``rows`` of token ids as one tensor, the short ones padded with ``pad``."""
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """``rows`` of token ids as one tensor on ``device``, the short ones padded with ``pad``."""
     padded = torch.full((len(rows), max(1, max(map(len, rows)))), pad, dtype=torch.long)
     for index, ids in enumerate(rows):
         padded[index, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return padded
+    return padded.to(device)
 
 
 def _processes_logits(request: Request) -> bool:
