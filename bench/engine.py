@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from tandem.loadgen.results import percentile
-from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES, SchedulerConfig
+from tandem.engine.config import CUDA_GRAPHS, DEFAULT_ENGINE_PRIORITY, ENGINE_PRIORITIES, SchedulerConfig
 from tandem.engine.async_engine import AsyncEngine
 from tandem.engine.model.factory import build_engine
 from tandem.model_files import resolve_model
@@ -89,7 +89,7 @@ async def first_token_latency(engine: AsyncEngine, prompt: list[int], req_id: st
 
 async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_tokens: int, repeats: int,
                      priority: str = DEFAULT_ENGINE_PRIORITY, device: str = "cpu", dtype: str | None = None,
-                     cuda_graphs: bool = False, sampling: SamplingParams = GREEDY) -> dict:
+                     cuda_graphs: bool | None = None, sampling: SamplingParams = GREEDY) -> dict:
     engine = build_engine(model, device, dtype,
                           scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512),
                           cuda_graphs=cuda_graphs)
@@ -126,6 +126,7 @@ async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_to
             "burst_cold": cold_burst["ttft_s"],
             "burst_warm": median["ttft_s"],
         },
+        "cuda_graphs": engine.executor.decode_graphs is not None,
         "calibrated_rates": {"prefill_tok_s": rates.prefill_tok_s, "decode_tok_s": rates.decode_tok_s},
     }
 
@@ -201,7 +202,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="torch device of Tandem and every peer: cpu, cuda, cuda:1")
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="weights and activations of all systems; auto: the device's natural dtype")
-    parser.add_argument("--cuda-graphs", action="store_true", help="Tandem replays steps of decodes from CUDA graphs")
+    parser.add_argument("--cuda-graphs", choices=list(CUDA_GRAPHS), default="auto",
+                        help="Tandem replays steps of decodes from CUDA graphs; auto: on CUDA, as the workers")
     parser.add_argument("--logprobs", type=int, default=None, help="Tandem's burst requests ask for N top logprobs")
     parser.add_argument("--penalties", action="store_true",
                         help="Tandem's burst requests use " + ", ".join(f"{k}={v}" for k, v in PENALTIES.items()))
@@ -219,7 +221,7 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     tandem = asyncio.run(run_tandem(str(model_dir), prompts, args.requests, args.max_new_tokens, args.repeats,
-                                    args.engine_priority, args.device, dtype_name, args.cuda_graphs, sampling))
+                                    args.engine_priority, args.device, dtype_name, CUDA_GRAPHS[args.cuda_graphs], sampling))
     results["tandem"] = tandem
     print(f"tandem: {tandem['output_tok_s']:.1f} tok/s, makespan {tandem['makespan_s']:.2f} s", flush=True)
     for name in [p for p in args.peers.split(",") if p]:
@@ -254,7 +256,7 @@ def main() -> None:
         "device": args.device,
         "dtype": dtype_name,
         "engine_priority": args.engine_priority,
-        "cuda_graphs": args.cuda_graphs,
+        "cuda_graphs": tandem["cuda_graphs"],
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None},

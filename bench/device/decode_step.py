@@ -12,6 +12,7 @@ import argparse
 import json
 import random
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -60,26 +61,28 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    on_cuda = args.device.startswith("cuda")
+    report: dict = {"device": torch.cuda.get_device_name(args.device) if on_cuda else args.device}
+
+    def write() -> None:
+        (args.out_dir / "decode-step.json").write_text(json.dumps(report, indent=2) + "\n")
 
     def engine_with(cuda_graphs: bool):
         engine = build_engine(args.model, args.device, scheduler=SchedulerConfig(max_active_requests=64,
                               max_num_batched_tokens=4096), cache=CacheConfig(num_kv_blocks=2048), calibrate=False,
                               cuda_graphs=cuda_graphs)
+        started = time.perf_counter()
         for batch in BATCHES:  # warm-up, and the graphs' capture, outside the timed steps
             decode_steps(engine, batch, f"warmup{batch}")
-        return engine
+        return engine, time.perf_counter() - started
 
-    graphs_engine = engine_with(True)
-    graphs_ms = {batch: decode_steps(graphs_engine, batch, f"g{batch}") for batch in BATCHES}
-    del graphs_engine
-    engine = engine_with(False)
+    engine, _ = engine_with(False)
     runner = engine.executor
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    on_cuda = args.device.startswith("cuda")
-    report = {"device": torch.cuda.get_device_name(args.device) if on_cuda else args.device,
-              "dtype": str(runner.dtype), "weight_bytes": weight_bytes,
-              "ms_per_step": {batch: decode_steps(engine, batch, f"b{batch}") for batch in BATCHES},
-              "ms_per_step_cuda_graphs": graphs_ms}
+    report |= {"dtype": str(runner.dtype),
+               "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+               "ms_per_step": {batch: decode_steps(engine, batch, f"b{batch}") for batch in BATCHES}}
+    write()
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -88,10 +91,20 @@ def main() -> None:
     kernels = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     report["batch1_kernels_per_step"] = len(kernels) / TIMED_STEPS
     report["batch1_kernel_ms_per_step"] = sum(e.time_range.elapsed_us() for e in kernels) / 1000 / TIMED_STEPS
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "decode-step.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out_dir / "decode-step-profile.txt").write_text(
         profiler.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+    write()
+    del engine, runner
+
+    try:
+        graphs_engine, warmup_s = engine_with(True)
+        report["cuda_graphs_warmup_and_capture_s"] = warmup_s
+        report["cuda_graph_shapes"] = sorted(graphs_engine.executor.decode_graphs.shapes)
+        report["ms_per_step_cuda_graphs"] = {batch: decode_steps(graphs_engine, batch, f"g{batch}")
+                                             for batch in BATCHES}
+    except Exception:  # the eager figures above still stand
+        report["cuda_graphs_error"] = traceback.format_exc()
+    write()
     print(json.dumps(report, indent=2))
 
 

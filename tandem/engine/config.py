@@ -14,6 +14,8 @@ DEFAULT_ENGINE_PRIORITY = "normal"
 # quarters them and keeps the perplexity, but not the greedy tokens, so it is a choice, not the default.
 DECODE_WEIGHTS = ("float16", "int8", "float32")
 DEFAULT_DECODE_WEIGHTS = "float16"
+# --cuda-graphs: whether steps of decodes replay from CUDA graphs; None leaves it to the device (on CUDA)
+CUDA_GRAPHS = {"auto": None, "on": True, "off": False}
 
 
 @dataclass(frozen=True)

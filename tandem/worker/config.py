@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from tandem.engine.config import (
+    CUDA_GRAPHS,
     DECODE_WEIGHTS,
     DEFAULT_DECODE_WEIGHTS,
     DEFAULT_ENGINE_PRIORITY,
@@ -41,7 +42,7 @@ class WorkerConfig:
     device: str | None = None
     dtype: str | None = None
     decode_weights: str = DEFAULT_DECODE_WEIGHTS
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None  # None: on CUDA
     threads: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -88,9 +89,9 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                                  "keeps a second, half-size copy for them, int8 a quarter-size one (a scale per row; "
                                  "faster, but greedy output drifts from float32), read by kernels built on first use "
                                  "(AVX2 or AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none")
-    parser.add_env_argument("--cuda-graphs", "TANDEM_CUDA_GRAPHS", "off", choices=["off", "on"],
-                            help="on CUDA: replay steps of decodes alone (up to 64 rows) from CUDA graphs, one launch "
-                                 "in place of every kernel of the step")
+    parser.add_env_argument("--cuda-graphs", "TANDEM_CUDA_GRAPHS", "auto", choices=list(CUDA_GRAPHS),
+                            help="replay steps of decodes alone (up to 64 rows) from CUDA graphs, one launch in place "
+                                 "of every kernel of the step; auto: on CUDA")
     parser.add_env_argument("--threads", "TANDEM_THREADS", None, type=positive_int,
                             help="torch CPU threads (default: all cores)")
     parser.add_env_argument("--max-active", "TANDEM_MAX_ACTIVE", 8, type=positive_int,
@@ -133,7 +134,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
             device=args.device,
             dtype=None if args.dtype == "auto" else args.dtype,
             decode_weights=args.decode_weights,
-            cuda_graphs=args.cuda_graphs == "on",
+            cuda_graphs=CUDA_GRAPHS[args.cuda_graphs],
             threads=args.threads,
             scheduler=SchedulerConfig(
                 max_active_requests=args.max_active,

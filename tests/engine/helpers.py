@@ -16,7 +16,7 @@ from tests.device import TEST_DEVICE
 GREEDY = SamplingParams(temperature=0)
 
 
-def make_engine(model_dir: Path, num_kv_blocks: int = 256, cuda_graphs: bool = False, **scheduler) -> LLMEngine:
+def make_engine(model_dir: Path, num_kv_blocks: int = 256, cuda_graphs: bool | None = None, **scheduler) -> LLMEngine:
     """An uncalibrated fp32 engine on the test device, token for token comparable with ``hf_greedy``."""
     config = SchedulerConfig(**{"max_num_batched_tokens": 64, **scheduler})
     return build_engine(str(model_dir), TEST_DEVICE, "float32", scheduler=config,

@@ -102,3 +102,13 @@ def test_steps_of_decodes_through_cuda_graphs_keep_outputs_exact(tiny_model):
         assert output_tokens(outputs[req_id]) == hf_greedy(tiny_model, prompt, 24 if req_id != "late" else 8), req_id
     assert {(4, 256), (4, 512)} <= engine.executor.decode_graphs.shapes
     assert_no_leaks(engine)
+
+
+def test_cuda_graphs_follow_the_device_unless_asked(tiny_llama):
+    from tandem.worker.config import parse_config
+    from tests.device import TEST_DEVICE
+
+    assert (make_engine(tiny_llama).executor.decode_graphs is not None) == TEST_DEVICE.startswith("cuda")
+    assert make_engine(tiny_llama, cuda_graphs=False).executor.decode_graphs is None
+    assert [parse_config("gpu", 50061, argv).cuda_graphs for argv in ([], ["--cuda-graphs", "on"],
+                                                                       ["--cuda-graphs", "off"])] == [None, True, False]

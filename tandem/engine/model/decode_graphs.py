@@ -115,7 +115,8 @@ class DecodeGraphs:
                     self._forward(graph)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph.graph, pool=self._pool):
+            # thread_local: the engine's thread captures while a worker's other threads may use CUDA
+            with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
                 graph.logits = self._forward(graph)
             self._pool = graph.graph.pool()
         self._graphs[batch, context] = graph

@@ -18,7 +18,7 @@ def build_engine(
     max_model_len: int | None = None,
     calibrate: bool = True,
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool | None = None,
 ) -> LLMEngine:
     """Load ``model`` (see ``resolve_model``) on ``device`` and return its engine, calibrated by default."""
     model_dir = resolve_model(model)

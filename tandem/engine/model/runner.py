@@ -51,8 +51,9 @@ class ModelRunner:
             "float16" keeps a second, half-size copy for them, "int8" a quarter-size one (each row scaled
             to ±127), read by the CPU kernels in float32 arithmetic (float32 where those cannot run here);
             "float32": none.
-        cuda_graphs: run steps of decodes alone through CUDA graphs (``decode_graphs``); meant for CUDA,
-            where an eager step is bound by kernel launches. Off CUDA the padded steps run eagerly.
+        cuda_graphs: run steps of decodes alone through CUDA graphs (``decode_graphs``); None: on CUDA, where
+            an eager step is bound by kernel launches (on an H200, 15.6 ms eager against 3.3 ms replayed at
+            batch 1). Off CUDA the padded steps run eagerly, which only the tests want.
     """
 
     def __init__(
@@ -64,7 +65,7 @@ class ModelRunner:
         block_size: int = 16,
         max_model_len: int | None = None,
         decode_weights: str = DEFAULT_DECODE_WEIGHTS,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
     ):
         from transformers import AutoConfig
 
@@ -72,6 +73,8 @@ class ModelRunner:
         self.device = str(self.torch_device)
         self.dtype = resolve_dtype(self.torch_device, dtype)
         self.block_size = block_size
+        if cuda_graphs is None:
+            cuda_graphs = self.torch_device.type == "cuda"
 
         config = AutoConfig.from_pretrained(model_dir)
         self.config = config
