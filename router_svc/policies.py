@@ -23,6 +23,9 @@ class RouteInput:
     ``expected_new_tokens``: what it is expected to generate (learned, ``router_svc.output_lengths``; 0:
     the whole budget). ``output_fraction``: the share of their remaining budgets queued requests are
     expected to use. Both price the output the request is expected to produce, not its budget.
+    ``samples``: the outputs it asks of its prompt (``n``), each expected to be that long; the prompt is
+    computed once, the samples after the first compute only what follows its last full cache block.
+    ``constrained``: it has a structured output, whose mask each of its steps pays.
     """
 
     prompt_tokens: int
@@ -30,6 +33,8 @@ class RouteInput:
     sequence: int = 0  # how many requests the router routed before this one (round_robin)
     expected_new_tokens: int = 0
     output_fraction: float = 1.0
+    samples: int = 1
+    constrained: bool = False
 
     @property
     def expected_output(self) -> int:
@@ -100,9 +105,11 @@ def cost_score(view: WorkerView, request: RouteInput) -> Score:
     evictions = play_evictions(view, request)
     prefill_tokens = sum(evictions.prefill_tokens) + max(0, request.prompt_tokens - evictions.cached_tokens)
     decode_tokens = sum(request.expected_remaining(work.decode_tokens) for work in view.queue) \
-        + request.expected_output
+        + request.expected_output * request.samples
+    constrained_tokens = sum(request.expected_remaining(work.decode_tokens) for work in view.queue if work.constrained) \
+        + (request.expected_output * request.samples if request.constrained else 0)
     prefill_s = prefill_tokens / view.report.prefill_tok_s
-    decode_s = decode_tokens / view.report.decode_tok_s
+    decode_s = decode_tokens / view.report.decode_tok_s + constrained_tokens * view.report.step_per_constrained_row_s
     return Score(view.name, prefill_s + decode_s, prefill_s, decode_s)
 
 
@@ -138,21 +145,29 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
     chunk_limit = max(1, report.max_num_batched_tokens)
     capacity = report.kv_blocks_total or math.inf
     held_each = report.kv_blocks_used / max(1, view.num_running)
-    # each entry: [prefill tokens left, decode tokens left, KV blocks held once running]
+    # each entry: [prefill tokens left, decode tokens left, KV blocks held once running, mask seconds per token]
     evictions = play_evictions(view, request)
+
+    def masking(constrained: bool) -> float:
+        return report.step_per_constrained_row_s if constrained else 0.0
+
     running, waiting = [], []
     for index, (work, prefill) in enumerate(zip(view.queue, evictions.prefill_tokens)):
         decode = request.expected_output if index == queued_index else max(1, request.expected_remaining(work.decode_tokens))
         if work.running:
-            running.append([prefill, decode, held_each])
+            running.append([prefill, decode, held_each, masking(work.constrained)])
         else:
-            waiting.append([prefill, decode, _blocks(prefill + decode, report.block_size)])
+            waiting.append([prefill, decode, _blocks(prefill + decode, report.block_size), masking(work.constrained)])
         if index == queued_index:
-            target = (running if work.running else waiting)[-1]
+            targets = [(running if work.running else waiting)[-1]]
     if queued_index is None:
+        output, mask = request.expected_output, masking(request.constrained)
         uncached = max(1, request.prompt_tokens - evictions.cached_tokens)
-        target = [uncached, request.expected_output, _blocks(uncached + request.expected_output, report.block_size)]
-        waiting.append(target)
+        after_shared = request.prompt_tokens - (request.prompt_tokens - 1) // report.block_size * report.block_size
+        targets = [[uncached, output, _blocks(uncached + output, report.block_size), mask],
+                   *([after_shared, output, _blocks(after_shared + output, report.block_size), mask]
+                     for _ in range(request.samples - 1))]
+        waiting.extend(targets)
     held = sum(work[2] for work in running)
     clock = 0.0
     while True:
@@ -161,13 +176,14 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
             running.append(waiting.pop(0))
         if all(work[0] == 0 for work in running):
             steps = min(work[1] for work in running)  # only decodes: jump to the next completion
-            clock += steps * (report.step_base_s + report.step_per_decode_s * len(running))
+            clock += steps * (report.step_base_s + report.step_per_decode_s * len(running)
+                              + sum(work[3] for work in running))
             for work in running:
                 work[1] -= steps
         else:
             # As the worker's scheduler: running requests in order, each taking its tokens (1 for a
             # decode) from the step's token budget until it runs out. One-token items cost as decodes.
-            budget, prefill_tokens, decodes = chunk_limit, 0, 0
+            budget, prefill_tokens, decodes, masks = chunk_limit, 0, 0, 0.0
             for work in running:
                 if budget == 0:
                     break
@@ -179,12 +195,15 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
                     prefill_tokens += chunk
                 if work[0] == 0:
                     work[1] -= 1
+                    masks += work[3]
                 else:
                     work[0] -= chunk
                     if work[0] == 0:
                         work[1] -= 1  # the last prefill chunk samples the first token
-            clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens + report.step_per_decode_s * decodes
-        if target[1] <= 0:
+                        masks += work[3]
+            clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens \
+                + report.step_per_decode_s * decodes + masks
+        if all(target[1] <= 0 for target in targets):
             return clock
         held -= sum(work[2] for work in running if work[1] <= 0)
         running = [work for work in running if work[1] > 0]

@@ -145,7 +145,8 @@ def plan_moves(round_candidates: Sequence[Waiting], reports: Mapping[str, Worker
         if move is not None:
             moves.append((entry, move))
             uncached = entry.request.prompt_tokens - cached[entry.request_id, move.to_worker][0]
-            added[move.to_worker].append(Credit(entry.request_id, max(0, uncached), entry.request.max_new_tokens))
+            added[move.to_worker].append(Credit(entry.request_id, max(0, uncached), entry.request.max_new_tokens,
+                                                entry.request.constrained))
     return moves
 
 

@@ -57,6 +57,16 @@ class RoutedRequest:
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def constrained(self) -> bool:
+        """It has a structured output, whose mask each of its steps pays."""
+        return self.worker_request.sampling.HasField("structured_output")
+
+    @property
+    def samples(self) -> int:
+        """Samples of the prompt the request asks for (``n``), all generated on the chosen worker."""
+        return self.worker_request.n or 1
+
     @functools.cached_property
     def prompt_blocks(self) -> PromptBlocks:
         return PromptBlocks(self.prompt_token_ids)
@@ -64,7 +74,8 @@ class RoutedRequest:
     def route_input(self, lengths: OutputLengths, sequence: int = 0) -> RouteInput:
         """The request as the policies price it now: its expected output as learned so far."""
         return RouteInput(self.prompt_tokens, self.max_new_tokens, sequence,
-                          lengths.expected_tokens(self.length_key, self.max_new_tokens), lengths.fraction())
+                          lengths.expected_tokens(self.length_key, self.max_new_tokens), lengths.fraction(),
+                          self.samples, self.constrained)
 
 
 @dataclass(frozen=True)
@@ -162,7 +173,8 @@ class Router:
             return
         self._sequence += 1
         worker.dispatch(request.request_id, request.prompt_blocks,
-                        max(0, request.prompt_tokens - decision.chosen.cached_tokens), request.max_new_tokens)
+                        max(0, request.prompt_tokens - decision.chosen.cached_tokens),
+                        request.max_new_tokens * request.samples, request.constrained)
         call = worker.generate(request.worker_request, _remaining(request.deadline), span)
         placed_at = time.monotonic()
         # Logged once the call's send has run (it was scheduled first), so the log never delays the request.
@@ -175,7 +187,7 @@ class Router:
                 tries.moves.append(move)
                 self.bookkeeping.moved(span, request.request_id, move)
                 return
-            async for response in _chained(first, call):
+            async for response in _chained(first, call, request.samples):
                 self.bookkeeping.streamed(request, span, response, started, first=not streamed)
                 streamed += len(response.token_ids)
                 yield WorkerOutput(worker.name, response)
@@ -193,7 +205,8 @@ class Router:
     async def _first_response_or_move(self, request: RoutedRequest, decision: RoutingDecision, tries: Tries, call,
                                       placed_at: float):
         """([the first response] or [], None), or ([], a move) for a request the re-placement check moves first."""
-        if request.policy != "finish_time" or self.replacer is None or len(tries.moves) >= MAX_MOVES:
+        if request.policy != "finish_time" or self.replacer is None or len(tries.moves) >= MAX_MOVES \
+                or request.samples > 1:  # the worker queues its samples under ids of their own
             return [], None
         return await self.replacer.first_response_or_move(call, request, decision.chosen_worker,
                                                           decision.chosen.score_s, placed_at, len(tries.moves),
@@ -217,10 +230,10 @@ class Router:
         return [WorkerStatus(w.name, w.kind, w.describe()) for w in self.registry.workers.values()]
 
 
-async def _chained(first: list, call) -> AsyncIterator[worker_pb2.GenerateResponse]:
+async def _chained(first: list, call, samples: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
     for response in first:
         yield response
-    if first and first[-1].HasField("result"):
+    if first and first[-1].HasField("result") and samples == 1:
         return
     async for response in call:
         yield response

@@ -31,6 +31,7 @@ class QueuedWork:
     credited: bool = False
     request_id: str = ""
     cached_tokens: int = 0
+    constrained: bool = False  # it has a structured output, whose mask each of its steps pays
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Credit:
     request_id: str
     prefill_tokens: int
     decode_tokens: int
+    constrained: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class WorkerReport:
     """A worker's own report: every request it holds, its limits, its step-time model and its KV cache.
 
     ``step_*`` is the fitted step time: base + per_prefill_token * prefill tokens + per_decode * decoding
-    requests. ``kv_blocks_*`` count blocks of ``block_size`` tokens (total 0: unknown, and the policies
+    requests, plus per_constrained_row * requests with a structured output. ``kv_blocks_*`` count blocks of ``block_size`` tokens (total 0: unknown, and the policies
     ignore KV capacity).
     """
 
@@ -62,6 +64,7 @@ class WorkerReport:
     step_base_s: float = 0.0
     step_per_prefill_token_s: float = 0.0
     step_per_decode_s: float = 0.0
+    step_per_constrained_row_s: float = 0.0
     block_size: int = 16
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
@@ -74,11 +77,13 @@ class WorkerReport:
         return cls(
             name=name, kind=kind, device=state.device,
             requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens, request_id=r.request_id,
-                                      cached_tokens=r.cached_tokens) for r in state.requests),
+                                      cached_tokens=r.cached_tokens, constrained=r.constrained)
+                           for r in state.requests),
             max_active_requests=state.max_active_requests, max_num_batched_tokens=max_num_batched_tokens,
             prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
             step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
-            step_per_decode_s=rates.step_per_decode_s, block_size=reported_block_size(state),
+            step_per_decode_s=rates.step_per_decode_s, step_per_constrained_row_s=rates.step_per_constrained_row_s,
+            block_size=reported_block_size(state),
             kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
             kv_blocks_cached=state.kv_blocks_cached,
         )
@@ -106,8 +111,8 @@ class WorkerView:
            state_source: str = "estimate", cached_evictable_tokens: int = 0) -> "WorkerView":
         """The view of ``report`` with the router's ``credits`` that the report does not show yet."""
         visible = {work.request_id for work in report.requests}
-        credited = tuple(QueuedWork(False, c.prefill_tokens, c.decode_tokens, credited=True, request_id=c.request_id)
-                         for c in credits if c.request_id not in visible)
+        credited = tuple(QueuedWork(False, c.prefill_tokens, c.decode_tokens, credited=True, request_id=c.request_id,
+                                    constrained=c.constrained) for c in credits if c.request_id not in visible)
         return cls(report, cached_tokens, cached_evictable_tokens, credited, state_source)
 
     @property

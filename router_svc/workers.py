@@ -114,9 +114,10 @@ class Worker:
             inflight_requests=len(self.credits), failed_requests=self.failed_requests, source=self.source,
         )
 
-    def dispatch(self, request_id: str, prompt: PromptBlocks, prefill_tokens: int, decode_tokens: int) -> None:
+    def dispatch(self, request_id: str, prompt: PromptBlocks, prefill_tokens: int, decode_tokens: int,
+                 constrained: bool = False) -> None:
         """Credit the request to this worker and expect its prompt's blocks in the worker's cache."""
-        self.credits[request_id] = Credit(request_id, prefill_tokens, decode_tokens)
+        self.credits[request_id] = Credit(request_id, prefill_tokens, decode_tokens, constrained)
         self.routed_requests += 1
         if self.state is not None:
             self.prefix_index.expect(prompt, reported_block_size(self.state))

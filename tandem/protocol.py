@@ -8,6 +8,7 @@ from dataclasses import fields
 from tandem.decision import RoutingDecision, WorkerScore
 from tandem.errors import InvalidRequestError
 from tandem.sampling import SamplingParams
+from tandem.structured import KINDS, StructuredOutput
 from tandem.v1 import common_pb2, router_pb2
 
 WORKER_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
@@ -30,9 +31,34 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
     if message.allowed_token_ids:
         given["allowed_token_ids"] = frozenset(message.allowed_token_ids)
     try:
+        if message.HasField("structured_output"):
+            given["structured_output"] = structured_output(message.structured_output)
         return SamplingParams(**given)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None
+
+
+async def checked_sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
+    """``sampling_params``, with a structured output's grammar checked off the event loop (importing xgrammar
+    and compiling a large schema take up to seconds)."""
+    if message.HasField("structured_output"):
+        return await asyncio.to_thread(sampling_params, message)
+    return sampling_params(message)
+
+
+def structured_output_message(kind: str, spec: str | tuple[str, ...]) -> common_pb2.StructuredOutput:
+    """The wire form of a structured output (``tandem.structured.StructuredOutput``'s kind and spec)."""
+    if kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=spec))
+    return common_pb2.StructuredOutput(**{kind: True if kind == "json_object" else spec})
+
+
+def structured_output(message: common_pb2.StructuredOutput) -> StructuredOutput:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_output", "set one of " + ", ".join(KINDS))
+    spec = getattr(message, kind)
+    return StructuredOutput(kind, tuple(spec.choices) if kind == "choice" else "" if kind == "json_object" else spec)
 
 
 async def prompt_token_ids(message, tokenizer) -> list[int]:

@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tandem.errors import InvalidRequestError
+from tandem.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 16  # samples of one prompt in one request (``n``)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class SamplingParams:
         logprobs: return each generated token's log-probability and this many of the most likely
             alternatives (0 to ``MAX_LOGPROBS``); None returns none.
         prompt_logprobs: the same for every prompt token after the first; None returns none.
+        structured_output: the language the output must match (checked when it is made); None: any.
     """
 
     temperature: float = 1.0
@@ -51,6 +54,7 @@ class SamplingParams:
     allowed_token_ids: frozenset[int] = frozenset()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -90,6 +94,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def check_samples(n: object, field: str = "n") -> int:
+    """``n``, the samples a request asks of its prompt, once checked: 1 to ``MAX_SAMPLES``."""
+    if not _is_int(n) or not 1 <= n <= MAX_SAMPLES:
+        raise InvalidRequestError(field, f"must be an integer from 1 to {MAX_SAMPLES}, got {n!r}")
+    return n
 
 
 def _is_number(value: object) -> bool:

@@ -54,8 +54,9 @@ if [ "$all" = 1 ]; then
     "$python" -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         | sed "s/^torch==.*/$requirement/" > "$requirements"
     model=$(sed -n 's/^ARG MODEL_PACKAGE=//p' Dockerfile)
-    echo "wheelhouse: every requirement, $model and setuptools (for building the project)"
+    grammar=$(sed -n 's/^ARG GRAMMAR_PACKAGE=//p' Dockerfile)
+    echo "wheelhouse: every requirement, $model, $grammar and setuptools (for building the project)"
     "$python" -m pip download --quiet --find-links wheels -d wheels -r "$requirements" "setuptools>=77"
-    "$python" -m pip download --quiet --no-deps -d wheels "$model"
+    "$python" -m pip download --quiet --no-deps -d wheels "$model" "$grammar"
 fi
 du -sh wheels | sed 's/^/wheelhouse: /'

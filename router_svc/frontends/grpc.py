@@ -44,7 +44,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield router_pb2.RouteResponse(
                         request_id=routed.request_id, token_ids=response.token_ids, text=response.text,
                         result=response.result if response.HasField("result") else None, worker=event.worker,
-                        logprobs=response.logprobs, prompt_logprobs=response.prompt_logprobs,
+                        logprobs=response.logprobs, prompt_logprobs=response.prompt_logprobs, index=response.index,
                     )
             except RoutingError as exc:
                 await _abort(context, exc)
@@ -75,13 +75,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _parse(self, message: router_pb2.RouteRequest, time_remaining: float | None) -> RoutedRequest:
         prompt = await prompt_token_ids(message, self.tokenizer)
         given = message.WhichOneof("prompt")
-        return self.preparation.prepare(Submission(
+        return await self.preparation.prepare(Submission(
             request_id=message.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
             max_new_tokens=message.max_new_tokens, frontend="grpc", prompt_field="chat.messages" if given == "chat" else given,
             policy=message.policy, length_key=message.length_key, sampling=message.sampling, stop=tuple(message.stop),
             stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
             include_stop_string=message.include_stop_string, keep_special_tokens=message.keep_special_tokens,
-            deadline=None if time_remaining is None else time.monotonic() + time_remaining,
+            n=message.n or 1, deadline=None if time_remaining is None else time.monotonic() + time_remaining,
         ))
 
 

@@ -41,8 +41,9 @@ from router_svc.frontends.preparation import Preparation, Submission
 from router_svc.request_path import RoutedRequest, Router, WorkerOutput
 from tandem.decision import RoutingDecision
 from tandem.errors import ContextLengthExceeded, InvalidRequestError
-from tandem.protocol import encode_chat
+from tandem.protocol import encode_chat, structured_output_message
 from tandem.security import BearerTokenAuth, ServerTLS
+from tandem.streams import merged
 from tandem.telemetry import mark_failed, mark_failed_status, tracer
 from tandem.v1 import common_pb2, worker_pb2
 
@@ -77,9 +78,14 @@ class HttpError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def of(cls, exc: RoutingError | InvalidRequestError, budget_field: str = "max_tokens") -> "HttpError":
+    def of(cls, exc: RoutingError | InvalidRequestError, budget_field: str = "max_tokens",
+           structured_field: str = "") -> "HttpError":
+        """``budget_field``, ``structured_field``: the request's own names for its output budget and its
+        structured output."""
         if isinstance(exc, InvalidRequestError):
-            param = budget_field if exc.field == "max_new_tokens" else _openai_field(exc.field)
+            param = budget_field if exc.field == "max_new_tokens" else \
+                structured_field if structured_field and exc.field.startswith("sampling.structured_output") else \
+                _openai_field(exc.field)
             code = "context_length_exceeded" if isinstance(exc, ContextLengthExceeded) else None
             return cls(400, f"{param}: {exc.reason}", param, code)
         status = _HTTP_STATUS.get(exc.status, 500)
@@ -200,7 +206,7 @@ class OpenAIFrontEnd:
         schema = ChatCompletionRequest if "messages" in await _json_object(request) else CompletionRequest
         body = await self._parse(request, schema)
         prompt = (await self._prompt_ids(body))[0]  # of a batch of prompts, the first
-        routed = self._routed(body, prompt, self._request_id(request))
+        routed = await self._routed(body, prompt, self._request_id(request))
         span = self._span(request, "POST /tandem/v1/explain")
         try:
             decision = await self.router.decide(routed, span)
@@ -273,7 +279,11 @@ class OpenAIFrontEnd:
         return _tracer.start_span(name, context=propagate.extract(dict(request.headers)), kind=SpanKind.SERVER,
                                   attributes={"http.request.method": request.method, "url.path": request.url.path})
 
-    def _routed(self, body, prompt: list[int], request_id: str, deadline: float | None = None) -> RoutedRequest:
+    async def _routed(self, body, prompt: list[int], request_id: str, deadline: float | None = None) -> RoutedRequest:
+        try:
+            structured = body.structured_output()
+        except InvalidRequestError as exc:
+            raise HttpError.of(exc) from None
         sampling = common_pb2.SamplingParams(logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids, **{
             name: value for name, value in (
                 ("temperature", body.temperature), ("top_p", body.top_p),
@@ -282,31 +292,34 @@ class OpenAIFrontEnd:
                 ("frequency_penalty", body.frequency_penalty), ("repetition_penalty", body.repetition_penalty),
                 ("min_tokens", body.min_tokens), ("logprobs", body.num_logprobs),
                 ("prompt_logprobs", body.num_prompt_logprobs)) if value is not None})
+        if structured is not None:
+            sampling.structured_output.CopyFrom(structured_output_message(*structured[1:]))
         tandem = body.tandem
         try:
-            return self.preparation.prepare(Submission(
+            return await self.preparation.prepare(Submission(
                 request_id=request_id, prompt_token_ids=prompt, max_new_tokens=body.requested_max_tokens(),
                 frontend="http", prompt_field=body.prompt_field,
                 policy=tandem.policy if tandem and tandem.policy else "", length_key=tandem.length_key if tandem else "",
                 sampling=sampling, stop=tuple(body.stop or ()), stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos, include_stop_string=body.include_stop_str_in_output,
-                keep_special_tokens=not body.skip_special_tokens, deadline=deadline,
+                keep_special_tokens=not body.skip_special_tokens, deadline=deadline, n=body.n,
             ))
         except InvalidRequestError as exc:
-            raise HttpError.of(exc, budget_field=body.budget_field) from None
+            raise HttpError.of(exc, budget_field=body.budget_field,
+                               structured_field=structured[0] if structured else "") from None
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
         prompts = await self._prompt_ids(body)
         request_id = self._request_id(request)
         deadline = _deadline(request)
-        routed = [self._routed(body, prompt, request_id if len(prompts) == 1 else f"{request_id}-{index}", deadline)
-                  for index, prompt in enumerate(prompts)]
+        routed = [await self._routed(body, prompt, request_id if len(prompts) == 1 else f"{request_id}-{index}",
+                                     deadline) for index, prompt in enumerate(prompts)]
         span = self._span(request, f"POST {request.url.path}")
         generations = await self._started(routed, request_id, span)
         echoed = self._echoed(body, prompts)
         chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
-                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body))
+                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body), body.n)
         headers = {"x-request-id": request_id, "x-tandem-worker": ",".join(g.worker for g in generations)}
         if body.stream:
             return EventSourceResponse(self._stream(generations, echoed, chunks, span), headers=headers, sep="\n")
@@ -335,8 +348,10 @@ class OpenAIFrontEnd:
 
     @staticmethod
     async def _collected(generations: list["Generation"], span) -> list["Outcome"]:
+        """Every generation's outcomes, prompt by prompt, each prompt's samples in order."""
         try:
-            return await _all([generation.collect() for generation in generations])
+            return [outcome for outcomes in await _all([generation.collect() for generation in generations])
+                    for outcome in outcomes]
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             raise HttpError.of(exc) from None
@@ -353,7 +368,7 @@ class OpenAIFrontEnd:
         except InvalidRequestError as exc:
             raise HttpError.of(exc) from None
         request_id = self._request_id(request)
-        routed = self._routed(body, prompt, request_id, _deadline(request))
+        routed = await self._routed(body, prompt, request_id, _deadline(request))
         span = self._span(request, f"POST {request.url.path}")
         generations = await self._started([routed], request_id, span)
         objects = ResponseObjects(f"resp_{request_id}", body)
@@ -398,14 +413,16 @@ class OpenAIFrontEnd:
                       span) -> AsyncIterator[dict]:
         try:
             for generation, echo in zip(generations, echoed):
-                if chunks.chat:
-                    yield _data(chunks.chunk({"role": "assistant", "content": ""}, index=generation.index))
-                elif echo is not None:
-                    logprobs = chunks.echo_logprobs(echo, generation.prompt_logprobs, generation.index)
-                    yield _data(chunks.chunk(echo.text, index=generation.index, logprobs=logprobs))
+                for index in chunks.choices(generation.index):
+                    if chunks.chat:
+                        yield _data(chunks.chunk({"role": "assistant", "content": ""}, index=index))
+                    elif echo is not None:
+                        logprobs = chunks.echo_logprobs(echo, generation.prompt_logprobs, index)
+                        yield _data(chunks.chunk(echo.text, index=index, logprobs=logprobs))
             usage = []
-            async with contextlib.aclosing(_merged([g.responses() for g in generations])) as responses:
-                async for index, response in responses:
+            async with contextlib.aclosing(merged([g.responses() for g in generations])) as responses:
+                async for prompt_index, response in responses:
+                    index = chunks.choice(prompt_index, response.index)
                     chunks.streamed_tokens += len(response.token_ids)
                     if response.text or (chunks.token_text and response.logprobs):
                         yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text, index=index,
@@ -413,7 +430,7 @@ class OpenAIFrontEnd:
                     if response.HasField("result"):
                         yield _data(chunks.chunk({} if chunks.chat else "",
                                                  _FINISH_REASONS.get(response.result.finish_reason), index=index))
-                        usage.append(response.result.usage)
+                        usage.append((response.index, response.result.usage))
             if chunks.include_usage:
                 yield _data(chunks.usage_chunk(usage))
             yield {"data": "[DONE]"}
@@ -479,15 +496,18 @@ class Generation:
             if isinstance(event, WorkerOutput):
                 yield event.response
 
-    async def collect(self) -> "Outcome":
-        text, token_ids, logprobs, result = [], [], [], None
+    async def collect(self) -> list["Outcome"]:
+        """Each sample's whole generation, in sample order."""
+        samples: dict[int, tuple[list, list, list, list]] = {}
         async for response in self.responses():
+            text, token_ids, logprobs, result = samples.setdefault(response.index, ([], [], [], []))
             text.append(response.text)
             token_ids.extend(response.token_ids)
             logprobs.extend(response.logprobs)
             if response.HasField("result"):
-                result = response.result
-        return Outcome("".join(text), token_ids, logprobs, self.prompt_logprobs, result)
+                result.append(response.result)
+        return [Outcome("".join(text), token_ids, logprobs, self.prompt_logprobs, result[0], index)
+                for index, (text, token_ids, logprobs, result) in sorted(samples.items())]
 
     async def close(self) -> None:
         await self._events.aclose()
@@ -503,6 +523,7 @@ class Outcome:
     logprobs: list[common_pb2.PositionLogprobs]
     prompt_logprobs: list[common_pb2.PositionLogprobs]
     result: worker_pb2.GenerateResult
+    sample: int = 0  # of its prompt's samples (``n``)
 
 
 @dataclass(frozen=True)
@@ -528,12 +549,19 @@ class Chunks:
     continuous_usage: bool = False
     prompt_tokens: int = 0
     token_text: Callable[[int], str] | None = None
+    samples: int = 1  # choices per prompt (``n``): prompt i's sample j is choice i * samples + j
     streamed_tokens: int = 0
     created: int = 0
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's text so far
 
     def __post_init__(self):
         self.created = int(time.time())
+
+    def choice(self, prompt_index: int, sample: int) -> int:
+        return prompt_index * self.samples + sample
+
+    def choices(self, prompt_index: int) -> range:
+        return range(self.choice(prompt_index, 0), self.choice(prompt_index + 1, 0))
 
     def chunk(self, delta, finish_reason: str | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
         choice = ({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason} if self.chat
@@ -546,12 +574,14 @@ class Chunks:
             chunk["usage"] = None
         return chunk
 
-    def usage_chunk(self, usages: list[common_pb2.Usage]) -> dict:
+    def usage_chunk(self, usages: list[tuple[int, common_pb2.Usage]]) -> dict:
         return {**self.chunk(None), "choices": [], "usage": _usage(usages)}
 
     def complete(self, outcomes: list[Outcome], echoed: list[Echo | None]) -> dict:
+        """``outcomes``: each prompt's samples in order; ``echoed``: per prompt."""
         choices = []
-        for index, (outcome, echo) in enumerate(zip(outcomes, echoed)):
+        for index, outcome in enumerate(outcomes):
+            echo = echoed[index // self.samples]
             finish_reason = _FINISH_REASONS.get(outcome.result.finish_reason)
             echoed_logprobs = self.echo_logprobs(echo, outcome.prompt_logprobs, index) if echo else None
             logprobs = _joined(echoed_logprobs, self.logprobs(outcome.token_ids, outcome.logprobs, index))
@@ -561,7 +591,7 @@ class Chunks:
                                  "logprobs": logprobs, "finish_reason": finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
-                "usage": _usage([outcome.result.usage for outcome in outcomes])}
+                "usage": _usage([(outcome.sample, outcome.result.usage) for outcome in outcomes])}
 
     def logprobs(self, token_ids, positions, index: int = 0) -> dict | None:
         """The log-probabilities of ``token_ids`` as the chat or the completions API shows them."""
@@ -611,40 +641,6 @@ async def _all(awaitables: list):
     return results
 
 
-async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(index, item) from every stream as items come; the first failure raises."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncIterator) -> None:
-        try:
-            async for item in stream:
-                await queue.put((index, item))
-            await queue.put((index, done))
-        except BaseException as exc:  # handed to the consumer, which raises it
-            await queue.put((index, exc))
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _truncated(body, prompt: list[int]) -> list[int]:
     """``prompt`` cut to its last ``truncate_prompt_tokens`` tokens, where the request asks for that."""
     return prompt[-body.truncate_prompt_tokens:] if body.truncate_prompt_tokens else prompt
@@ -667,10 +663,12 @@ def _usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _usage(usages: list[common_pb2.Usage]) -> dict:
-    """The usage of a response: its choices' added up."""
-    return {**_usage_counts(sum(u.prompt_tokens for u in usages), sum(u.output_tokens for u in usages)),
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in usages)}}
+def _usage(usages: list[tuple[int, common_pb2.Usage]]) -> dict:
+    """The usage of a response from its choices' (sample index, usage): outputs added up, each prompt counted
+    once (with its first sample)."""
+    prompts = [usage for sample, usage in usages if not sample]
+    return {**_usage_counts(sum(u.prompt_tokens for u in prompts), sum(u.output_tokens for _, u in usages)),
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in prompts)}}
 
 
 def _deadline(request: Request) -> float | None:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from tandem.errors import InvalidRequestError
 from tandem.protocol import CHAT_ROLES
-from tandem.sampling import MAX_LOGPROBS
+from tandem.sampling import MAX_LOGPROBS, MAX_SAMPLES
 
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 256  # in one completions request
@@ -55,7 +55,6 @@ class ChatMessage(_Strict):
 # Fields of the OpenAI API that Tandem does not honour: the value each may take, which is what it means
 # when left out.
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "suffix": (None,),
     "tools": (None, []),
@@ -63,7 +62,6 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "prompt_logprobs": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -76,10 +74,42 @@ _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the output is held to ``schema`` whether or not ``strict`` is set."""
+
+    name: str
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_its_type(cls, json_schema, info: ValidationInfo):
+        if json_schema is not None and info.data.get("type") != "json_schema":
+            raise ValueError("only with type json_schema")
+        return json_schema
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: str | dict | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict):
     """What chat and completion requests share."""
 
     model: str
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = 1  # choices per prompt, generated on one worker
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -103,6 +133,13 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     tandem: TandemOptions | None = None
+    # Structured output: OpenAI's response_format, or one of vLLM's extensions
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -128,6 +165,43 @@ class _Sampling(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def structured_output(self) -> tuple[str, str, str | tuple[str, ...]] | None:
+        """The output's constraint, if the request sets one: (the field that set it, the kind of
+        ``tandem.structured.KINDS``, its spec); None for plain text.
+
+        Raises:
+            InvalidRequestError: two fields set one; the second is named.
+        """
+        given = [item for item in self._structured_outputs() if item is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(given[1][0], f"only one structured output may be set; {given[0][0]} is set too")
+        return given[0] if given else None
+
+    def _structured_outputs(self):
+        """Each field that may set a constraint: (field, kind, spec), or None where it sets none."""
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            yield "response_format", "json_object", ""
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None:
+                raise InvalidRequestError("response_format.json_schema", "is required with type json_schema")
+            yield "response_format.json_schema.schema", "json_schema", json.dumps(response_format.json_schema.schema_)
+        for field, kind, value in (("guided_json", "json_schema", self.guided_json),
+                                   ("guided_regex", "regex", self.guided_regex),
+                                   ("guided_choice", "choice", self.guided_choice),
+                                   ("guided_grammar", "grammar", self.guided_grammar)):
+            yield None if value is None else (field, kind, _spec(value))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            chosen = [(f"structured_outputs.{name}", kind, value) for name, kind, value in (
+                ("json", "json_schema", outputs.json_), ("regex", "regex", outputs.regex),
+                ("choice", "choice", outputs.choice), ("grammar", "grammar", outputs.grammar),
+                ("json_object", "json_object", outputs.json_object or None)) if value is not None]
+            if not chosen:
+                raise InvalidRequestError("structured_outputs", "set one of json, regex, choice, grammar, json_object")
+            for field, kind, value in chosen:
+                yield field, kind, "" if kind == "json_object" else _spec(value)
 
     @property
     def continuous_usage(self) -> bool:
@@ -213,6 +287,13 @@ class CompletionRequest(_Sampling):
         return list(self.prompt)
 
 
+def _spec(value: str | dict | list) -> str | tuple[str, ...]:
+    """A spec as ``tandem.structured.StructuredOutput`` takes it: a schema as JSON text, choices as a tuple."""
+    if isinstance(value, list):
+        return tuple(value)
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def without_unhonoured(body: dict) -> dict:
     """``body`` without the OpenAI fields Tandem does not honour, each of which must hold its default.
 
@@ -264,7 +345,13 @@ class InputMessage(_Strict):
 
 
 class TextFormat(_Strict):
-    type: Literal["text"]
+    """``text.format`` of a Responses request: plain text, any JSON object, or a JSON schema (flattened)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
 
 
 class TextOptions(_Strict):
@@ -275,6 +362,7 @@ class ResponsesRequest(_Sampling):
     """The Responses API, stateless: every request carries its whole conversation."""
 
     input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    n: Literal[1] = 1  # one output per response
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     text: TextOptions | None = None
@@ -304,6 +392,16 @@ class ResponsesRequest(_Sampling):
     @property
     def num_logprobs(self) -> int | None:
         return None
+
+    def _structured_outputs(self):
+        text_format = self.text.format if self.text is not None else None
+        if text_format is not None and text_format.type == "json_object":
+            yield "text.format", "json_object", ""
+        elif text_format is not None and text_format.type == "json_schema":
+            if text_format.schema_ is None:
+                raise InvalidRequestError("text.format.schema", "is required with type json_schema")
+            yield "text.format.schema", "json_schema", json.dumps(text_format.schema_)
+        yield from super()._structured_outputs()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens

@@ -15,7 +15,8 @@ from router_svc.output_lengths import check_length_key
 from router_svc.policies import POLICIES
 from router_svc.request_path import RoutedRequest
 from tandem.errors import ContextLengthExceeded, InvalidRequestError
-from tandem.protocol import sampling_params
+from tandem.protocol import checked_sampling_params
+from tandem.sampling import check_samples
 from tandem.v1 import common_pb2, worker_pb2
 
 
@@ -41,6 +42,7 @@ class Submission:
     include_stop_string: bool = False
     keep_special_tokens: bool = False
     deadline: float | None = None
+    n: int = 1
 
 
 class Preparation:
@@ -57,7 +59,7 @@ class Preparation:
         self.default_policy = default_policy
         self.model_limits = model_limits
 
-    def prepare(self, submission: Submission) -> RoutedRequest:
+    async def prepare(self, submission: Submission) -> RoutedRequest:
         """Raises:
             InvalidRequestError: a field is invalid; the error names it.
         """
@@ -67,7 +69,8 @@ class Preparation:
         check_length_key("length_key", submission.length_key)
         if submission.max_new_tokens is not None and submission.max_new_tokens <= 0:
             raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {submission.max_new_tokens}")
-        sampling = sampling_params(submission.sampling)
+        sampling = await checked_sampling_params(submission.sampling)
+        n = check_samples(submission.n)
         max_new_tokens = self._budget(submission)
         if sampling.min_tokens > max_new_tokens:
             raise InvalidRequestError("sampling.min_tokens", f"must be at most the output budget ({max_new_tokens} "
@@ -79,6 +82,7 @@ class Preparation:
             max_new_tokens=max_new_tokens, sampling=submission.sampling, stop=submission.stop,
             stop_token_ids=submission.stop_token_ids, ignore_eos=submission.ignore_eos,
             include_stop_string=submission.include_stop_string, keep_special_tokens=submission.keep_special_tokens,
+            n=n,
         )
         return RoutedRequest(submission.request_id, submission.prompt_token_ids, max_new_tokens, policy, worker_request,
                              submission.deadline, submission.frontend, submission.length_key)

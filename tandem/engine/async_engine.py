@@ -96,6 +96,8 @@ class AsyncEngine:
         freed at once, or when the step in flight ends if that step computes it. Validation errors are raised before the first output.
         """
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if request.sampling.structured_output is not None:
+            await asyncio.to_thread(self.engine.constrain, request)
         with self._wakeup:
             self.engine.add_request(request)
             self._streams[request.req_id] = (asyncio.get_running_loop(), queue)

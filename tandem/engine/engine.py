@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -19,6 +20,7 @@ from tandem.errors import EngineDeadError, InvalidRequestError
 from tandem.engine.rates import Rates, RateTracker, StepSample
 from tandem.engine.request import FinishReason, Request, RequestStatus, Sample, TokenLogprobs
 from tandem.engine.scheduler import SchedulerLoad, Scheduler, SchedulerOutput
+from tandem.structured import Grammars
 
 
 class ModelExecutor(Protocol):
@@ -29,9 +31,13 @@ class ModelExecutor(Protocol):
     max_model_len: int
     vocab_size: int
     eos_token_ids: frozenset[int]
+    mask_seconds_per_row: float  # a structured output's mask, per row, averaged over recent steps
 
     def execute(self, output: SchedulerOutput) -> list[Sample | None]:
         """Run one step; return the sample per scheduled request (None where none is sampled)."""
+
+    def take_mask_seconds(self) -> float:
+        """The seconds the last step spent masking structured outputs."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._grammars: Grammars | None = None
 
     @property
     def healthy(self) -> bool:
@@ -127,12 +134,23 @@ class LLMEngine:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         self._validate(request)
+        self.constrain(request)
         self.scheduler.add_request(request)
         self._requests[request.req_id] = request
         self._detokenizers[request.req_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.stop_strings, request.include_stop_string,
             request.skip_special_tokens)
         self.seq += 1
+
+    def constrain(self, request: Request) -> None:
+        """Give a request with a structured output its constraint, compiling its grammar for this model's
+        tokenizer on first use of the spec (milliseconds; ``AsyncEngine`` calls this off its event loop)."""
+        spec = request.sampling.structured_output
+        if spec is None or request.constraint is not None:
+            return
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.executor.vocab_size, self.executor.eos_token_ids)
+        request.constraint = self._grammars.constraint(spec)
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """End a request now and free its blocks; None if it already ended."""
@@ -156,7 +174,9 @@ class LLMEngine:
             seconds: how long the step took.
             record_step: where the step's time goes; by default the rates' observed steps.
         """
-        (record_step or self.rates.observe)(StepSample(output.num_prefill_tokens, output.num_decode_requests, seconds))
+        masking = self.executor.take_mask_seconds()  # priced per constrained row, apart from the fit
+        (record_step or self.rates.observe)(StepSample(output.num_prefill_tokens, output.num_decode_requests,
+                                                       seconds - masking))
         tokens = [None if sample is None else sample.token_id for sample in sampled]
         logprobs = {}
         for item, sample in zip(output.scheduled, sampled):
@@ -230,7 +250,12 @@ class LLMEngine:
             samples = [measure(*shape) for _ in range(repeats)]
             self.rates.add_calibration(min(samples, key=lambda sample: sample.seconds))
         self.reset_prefix_cache()
-        return self.rates.rates()
+        return self.current_rates()
+
+    def current_rates(self) -> Rates:
+        """The fitted step-time model, with the measured cost of a constrained row's mask."""
+        return dataclasses.replace(self.rates.rates(),
+                                   step_per_constrained_row_s=self.executor.mask_seconds_per_row)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (only while no request holds blocks)."""
@@ -261,7 +286,7 @@ class LLMEngine:
             max_active_requests=self.config.max_active_requests,
             block_size=self.config.block_size,
             load=self.scheduler.load(),
-            rates=self.rates.rates() if self.rates.calibrated else None,
+            rates=self.current_rates() if self.rates.calibrated else None,
         )
 
     def _validate(self, request: Request) -> None:
@@ -282,6 +307,8 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOP
         if not request.ignore_eos and token in self.executor.eos_token_ids:
             return RequestStatus.FINISHED_EOS
+        if request.constraint is not None and request.constraint.complete:
+            return RequestStatus.FINISHED_STOP
         if request.decode_budget <= 0:
             return RequestStatus.FINISHED_LENGTH
         return None

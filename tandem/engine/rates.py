@@ -37,6 +37,7 @@ class Rates:
     reference_decode_batch: int
     num_calibration_steps: int
     num_observed_steps: int
+    step_per_constrained_row_s: float = 0.0  # a structured output's mask, per row that has one
 
     @property
     def source(self) -> str:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
 
 from tandem.engine.utils import cdiv
 from tandem.sampling import SamplingParams
+from tandem.structured import Constraint
 
 
 class FinishReason(str, enum.Enum):
@@ -75,7 +77,8 @@ class Request:
     """A generation request plus everything the scheduler tracks about it.
 
     ``token_ids`` holds the prompt followed by the generated tokens; ``num_computed_tokens`` of them
-    have their keys and values in the KV cache.
+    have their keys and values in the KV cache. ``shares_prompt_with``: another sample of the same prompt,
+    which computes it first; this one waits for that, then finds the prompt's blocks in the prefix cache.
     """
 
     req_id: str
@@ -88,6 +91,7 @@ class Request:
     include_stop_string: bool = False
     skip_special_tokens: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
+    shares_prompt_with: Request | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)
@@ -104,6 +108,7 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     sampler_state: object = None
+    constraint: Constraint | None = None  # its structured output's state (``LLMEngine.constrain``)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -130,6 +135,18 @@ class Request:
         return self.sampling.prompt_logprobs is not None and not self.num_output_tokens
 
     @property
+    def constrained(self) -> bool:
+        """It has a structured output."""
+        return self.sampling.structured_output is not None
+
+    @property
+    def prompt_ready(self) -> bool:
+        """Whether the request may start: it shares no prompt, or the sample it shares one with has computed
+        it (or ended)."""
+        first = self.shares_prompt_with
+        return first is None or first.status.is_finished or first.num_computed_tokens >= first.num_prompt_tokens
+
+    @property
     def decode_budget(self) -> int:
         """Tokens this request may still generate."""
         return self.max_new_tokens - self.num_output_tokens
@@ -142,6 +159,18 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    def samples(self, n: int) -> list[Request]:
+        """This request and ``n - 1`` more samples of its prompt (ids ``<id>#1``, ...), which share its
+        prompt's blocks; where it has a seed, sample i is seeded ``seed + i``. Only the first computes the
+        prompt's log-probabilities."""
+        sampling = self.sampling
+        return [self, *(Request(
+            f"{self.req_id}#{index}", self.prompt_token_ids, self.max_new_tokens,
+            dataclasses.replace(sampling, prompt_logprobs=None,
+                                seed=None if sampling.seed is None else sampling.seed + index),
+            self.ignore_eos, self.stop_token_ids, self.stop_strings, self.include_stop_string,
+            self.skip_special_tokens, self.arrival_time, shares_prompt_with=self) for index in range(1, n))]
 
     def num_required_blocks(self, num_new_tokens: int, block_size: int) -> int:
         """Blocks that hold the computed tokens plus ``num_new_tokens`` more."""

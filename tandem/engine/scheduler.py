@@ -60,6 +60,7 @@ class RequestLoad:
     prefill_tokens: int
     decode_budget: int
     cached_tokens: int = 0
+    constrained: bool = False  # it has a structured output
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class Scheduler:
             and not preempted
             and budget > 0
             and len(self.running) < self.config.max_active_requests
+            and self.waiting[0].prompt_ready
         ):
             item = self._admit(self.waiting[0], budget)
             if item is None:
@@ -247,9 +249,11 @@ class Scheduler:
         request.status = status
 
     def load(self) -> SchedulerLoad:
-        running = (RequestLoad(r.req_id, True, r.prefill_remaining, r.decode_budget) for r in self.running)
+        running = (RequestLoad(r.req_id, True, r.prefill_remaining, r.decode_budget, constrained=r.constrained)
+                   for r in self.running)
         waiting = (
-            RequestLoad(r.req_id, False, r.num_tokens - r.num_cached_estimate, r.decode_budget, r.num_cached_estimate)
+            RequestLoad(r.req_id, False, r.num_tokens - r.num_cached_estimate, r.decode_budget, r.num_cached_estimate,
+                        r.constrained)
             for r in self.waiting
         )
         pool = self.pool

@@ -26,7 +26,7 @@ from pathlib import Path
 import vllm
 from vllm.config import KVEventsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
@@ -38,6 +38,7 @@ from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import RateTracker, StepSample
 from tandem.engine.request import FinishReason, Request, TokenLogprobs
 from tandem.engine.scheduler import RequestLoad, SchedulerLoad
+from tandem.structured import StructuredOutput
 from tandem.vllm_engine.kv_events import KVEventStream
 from tandem.vllm_engine.prefix_index import VllmPrefixIndex
 
@@ -91,6 +92,7 @@ class _Tracked:
     num_cached_tokens: int | None = None
     first_token_time: float | None = None
     holding: bool = False
+    prompt_computed: asyncio.Event = field(default_factory=asyncio.Event)  # for samples sharing its prompt
 
     @property
     def decode_budget(self) -> int:
@@ -178,15 +180,16 @@ class VllmEngine:
                        on_queued: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[RequestOutput]:
         """Send ``request`` to vLLM and yield its outputs until the last one (see ``AsyncEngine.generate``)."""
         tracked = self._check(request)
+        self._requests[request.req_id] = tracked  # in arrival order: the order vLLM admits them in
+        self._bump()
+        outputs, finished = None, False
         try:
+            if request.shares_prompt_with is not None:  # its blocks come from vLLM's prefix cache once computed
+                first = self._requests.get(request.shares_prompt_with.req_id)
+                if first is not None:
+                    await first.prompt_computed.wait()
             outputs = await self.llm.add_request(request.req_id, {"prompt_token_ids": request.prompt_token_ids},
                                                  _vllm_sampling(request))
-        except VllmEngineDeadError:
-            raise self._died() from None
-        self._requests[request.req_id] = tracked  # in the order vLLM got them: the order it admits them in
-        self._bump()
-        finished = False
-        try:
             if on_queued is not None:
                 await on_queued()
             while not finished:
@@ -197,7 +200,7 @@ class VllmEngine:
         except VllmEngineDeadError:
             raise self._died() from None
         finally:
-            if not finished and not self.llm.errored:
+            if outputs is not None and not finished and not self.llm.errored:
                 await self.llm.abort(outputs.request_id, internal=True)
             self._forget(tracked)
 
@@ -219,6 +222,7 @@ class VllmEngine:
         now = time.monotonic()
         if tracked.first_token_time is None and completion.token_ids:
             tracked.first_token_time = now
+            tracked.prompt_computed.set()
         tracked.num_output_tokens += len(completion.token_ids)
         tracked.num_cached_tokens = output.num_cached_tokens or 0
         if tracked.first_token_time is not None:
@@ -250,6 +254,7 @@ class VllmEngine:
                              _finish_reason(completion), None, stats, logprobs, prompt_logprobs)
 
     def _forget(self, tracked: _Tracked) -> None:
+        tracked.prompt_computed.set()  # a sample waiting on it computes the prompt itself
         if self._requests.pop(tracked.request.req_id, None) is None:
             return
         if tracked.holding:
@@ -275,10 +280,11 @@ class VllmEngine:
             prompt = tracked.request.num_prompt_tokens
             if tracked.holding:
                 prefill = 0 if tracked.first_token_time is not None else prompt - tracked.cache_estimate
-                requests.append(RequestLoad(tracked.request.req_id, True, prefill, tracked.decode_budget))
+                requests.append(RequestLoad(tracked.request.req_id, True, prefill, tracked.decode_budget,
+                                            constrained=tracked.request.constrained))
             else:
                 requests.append(RequestLoad(tracked.request.req_id, False, prompt - tracked.cache_estimate,
-                                            tracked.decode_budget, tracked.cache_estimate))
+                                            tracked.decode_budget, tracked.cache_estimate, tracked.request.constrained))
         used = round(self._kv_cache_usage * self.num_kv_blocks) if self._requests else 0
         return SchedulerLoad(
             requests=tuple(sorted(requests, key=lambda load: not load.running)),
@@ -444,10 +450,23 @@ def _vllm_sampling(request: Request) -> VllmSamplingParams:
             skip_special_tokens=request.skip_special_tokens,
             stop_token_ids=sorted(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            structured_outputs=_vllm_structured_output(sampling.structured_output),
             output_kind=RequestOutputKind.DELTA,
         )
     except ValueError as exc:  # a value Tandem accepts and vLLM does not
         raise InvalidRequestError("sampling", f"vLLM refused it: {exc}") from None
+
+
+def _vllm_structured_output(output: StructuredOutput | None) -> StructuredOutputsParams | None:
+    """Tandem's structured output as vLLM's, held as Tandem's engine holds it: ``json_object`` to an object, JSON
+    to one layout."""
+    if output is None:
+        return None
+    if output.kind == "json_object":
+        return StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
+    key = {"json_schema": "json", "choice": "choice"}.get(output.kind, output.kind)
+    return StructuredOutputsParams(**{key: list(output.spec) if output.kind == "choice" else output.spec},
+                                   disable_any_whitespace=True)
 
 
 def _logprobs(token_ids, positions, num_top: int | None) -> tuple[TokenLogprobs, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -15,7 +16,9 @@ from tandem.engine.engine import EngineState, RequestOutput
 from tandem.errors import EngineDeadError, InvalidRequestError, QueueFullError
 from tandem.engine.rates import Rates
 from tandem.engine.request import FinishReason, Request
-from tandem.protocol import WORKER_KINDS, logprobs_messages, prompt_token_ids, sampling_params
+from tandem.protocol import WORKER_KINDS, checked_sampling_params, logprobs_messages, prompt_token_ids
+from tandem.sampling import check_samples
+from tandem.streams import merged
 from tandem.telemetry import child_span, server_span, tracer, wall_time_ns
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker import metrics
@@ -85,22 +88,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                          {"gen_ai.request.max_tokens": request.max_new_tokens},
                          on_status=_record_generate_status) as span:
             engine = await self._require_state(context, common_pb2.SERVING_STATE_SERVING)
-            engine_request = await self._to_engine_request(request, context)
+            samples = await self._to_engine_requests(request, context)
+            engine_request = samples[0]
             span.set_attributes({"tandem.request_id": engine_request.req_id,
                                  "gen_ai.usage.input_tokens": engine_request.num_prompt_tokens})
             self._inflight += 1
             self._idle.clear()
+            # Headers go out once the (first) request is queued, so they do not ride on the first token.
+            streams = [engine.generate(sample, on_queued=None if index else lambda: context.send_initial_metadata(()))
+                       for index, sample in enumerate(samples)]
             try:
-                # Headers go out once the request is queued, so they do not ride on the first token.
-                async for output in engine.generate(engine_request, on_queued=lambda: context.send_initial_metadata(())):
-                    if output.finish_reason is FinishReason.ERROR:  # the engine failed and ended every request
-                        raise EngineDeadError(output.error)
-                    if output.finish_reason is FinishReason.ABORTED:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "worker shut down before the request finished")
-                    if output.finished:
-                        _record_engine_phases(span, engine_request, output)
-                        metrics.record_finished(output)
-                    yield _to_response(engine_request.req_id, output)
+                async with contextlib.aclosing(merged(streams)) as outputs:
+                    async for index, output in outputs:
+                        if output.finish_reason is FinishReason.ERROR:  # the engine failed and ended every request
+                            raise EngineDeadError(output.error)
+                        if output.finish_reason is FinishReason.ABORTED:
+                            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                                "worker shut down before the request finished")
+                        if output.finished:
+                            if not index:
+                                _record_engine_phases(span, engine_request, output)
+                            metrics.record_finished(output)
+                        yield _to_response(engine_request.req_id, output, index)
             except _ENGINE_ERRORS as exc:
                 await _abort_for(context, exc)
             finally:
@@ -176,9 +185,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker is {reason} and accepts no new requests")
         return self.engine
 
-    async def _to_engine_request(self, message: worker_pb2.GenerateRequest, context) -> Request:
+    async def _to_engine_requests(self, message: worker_pb2.GenerateRequest, context) -> list[Request]:
+        """The request's samples (``Request.samples``): one unless it asks for ``n``."""
         try:
-            return await self._parse_request(message)
+            return (await self._parse_request(message)).samples(check_samples(message.n or 1))
         except InvalidRequestError as exc:
             await _abort_for(context, exc)
 
@@ -196,7 +206,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             req_id=request_id,
             prompt_token_ids=prompt,
             max_new_tokens=message.max_new_tokens,
-            sampling=sampling_params(message.sampling),
+            sampling=await checked_sampling_params(message.sampling),
             ignore_eos=message.ignore_eos,
             stop_token_ids=frozenset(message.stop_token_ids),
             stop_strings=tuple(message.stop),
@@ -239,7 +249,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             requests=[
                 common_pb2.RequestLoad(
                     request_id=r.req_id, running=r.running, prefill_tokens=r.prefill_tokens, decode_tokens=r.decode_budget,
-                    cached_tokens=r.cached_tokens,
+                    cached_tokens=r.cached_tokens, constrained=r.constrained,
                 )
                 for r in load.requests
             ],
@@ -253,10 +263,10 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(code, details)
 
 
-def _to_response(request_id: str, output: RequestOutput) -> worker_pb2.GenerateResponse:
+def _to_response(request_id: str, output: RequestOutput, index: int = 0) -> worker_pb2.GenerateResponse:
     response = worker_pb2.GenerateResponse(request_id=request_id, token_ids=output.token_ids, text=output.text,
                                            logprobs=logprobs_messages(output.logprobs),
-                                           prompt_logprobs=logprobs_messages(output.prompt_logprobs))
+                                           prompt_logprobs=logprobs_messages(output.prompt_logprobs), index=index)
     if output.finished:
         stats = output.stats
         response.result.CopyFrom(
@@ -330,4 +340,5 @@ def _rates_message(rates: Rates | None) -> common_pb2.Rates | None:
         calibration_steps=rates.num_calibration_steps,
         observed_steps=rates.num_observed_steps,
         source=rates.source,
+        step_per_constrained_row_s=rates.step_per_constrained_row_s,
     )

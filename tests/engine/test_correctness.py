@@ -112,3 +112,23 @@ def test_cuda_graphs_follow_the_device_unless_asked(tiny_llama):
     assert make_engine(tiny_llama, cuda_graphs=False).executor.decode_graphs is None
     assert [parse_config("gpu", 50061, argv).cuda_graphs for argv in ([], ["--cuda-graphs", "on"],
                                                                        ["--cuda-graphs", "off"])] == [None, True, False]
+
+
+def test_samples_of_one_prompt_compute_it_once_and_share_its_blocks(tiny_llama):
+    engine = make_engine(tiny_llama, max_active_requests=4)
+    prompt = random_prompt(engine, 100, seed=60)
+    samples = greedy_request("s", prompt, 8).samples(4)
+    for sample in samples:
+        engine.add_request(sample)
+    outputs, peak_blocks = {}, 0
+    while engine.has_work():
+        for output in engine.step():
+            outputs.setdefault(output.req_id, []).append(output)
+        peak_blocks = max(peak_blocks, engine.scheduler.pool.num_used_blocks)
+    expected = hf_greedy(tiny_llama, prompt, 8)
+    assert [output_tokens(outputs[sample.req_id]) for sample in samples] == [expected] * 4
+    # The first computes the prompt; the others find its 6 full blocks cached and compute the 4 tokens after.
+    assert [outputs[sample.req_id][-1].stats.num_cached_tokens for sample in samples] == [0, 96, 96, 96]
+    # 108 tokens each: the first's 7 blocks, and one block of its own for each other sample.
+    assert peak_blocks == 7 + 3
+    assert_no_leaks(engine)

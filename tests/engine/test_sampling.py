@@ -162,3 +162,19 @@ def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(tiny_llam
                                    SamplingParams(temperature=1.0, frequency_penalty=1.0), ignore_eos=True))
     assert output_tokens(run_to_completion(engine)["batched"]) == alone
     assert_no_leaks(engine)
+
+
+def test_seeded_samples_of_one_prompt_draw_as_requests_seeded_seed_plus_index(tiny_llama):
+    params = SamplingParams(temperature=1.0, seed=11)
+    engine = make_engine(tiny_llama)
+    prompt = random_prompt(engine, 12, seed=8)
+    samples = Request("s", prompt, 10, params, ignore_eos=True).samples(3)
+    for sample in samples:
+        engine.add_request(sample)
+    together = run_to_completion(engine)
+    for index, sample in enumerate(samples):
+        alone = make_engine(tiny_llama)
+        alone.add_request(Request("alone", prompt, 10, SamplingParams(temperature=1.0, seed=11 + index),
+                                  ignore_eos=True))
+        assert output_tokens(together[sample.req_id]) == output_tokens(run_to_completion(alone)["alone"])
+    assert len({tuple(output_tokens(together[sample.req_id])) for sample in samples}) == 3

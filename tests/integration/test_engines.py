@@ -6,7 +6,9 @@ same of both: the router relies on nothing else.
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import time
 
 import grpc
@@ -171,6 +173,47 @@ def test_a_seeded_sample_repeats(worker):
     assert runs[0] != greedy  # it sampled
 
 
+def test_samples_of_one_prompt_share_its_computed_blocks(worker, tiny_llama_64):
+    prompt = list(range(100, 100 + 3 * BLOCK_SIZE + 5))
+    responses = generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=6, sampling=GREEDY, ignore_eos=True, n=3)
+    by_sample = {index: [r for r in responses if r.index == index] for index in range(3)}
+    assert [tokens_of(by_sample[index]) for index in range(3)] == [hf_greedy(tiny_llama_64, prompt, 6)] * 3
+    results = [by_sample[index][-1].result for index in range(3)]
+    assert [r.usage.output_tokens for r in results] == [6, 6, 6]
+    # The samples after the first find its three full blocks computed.
+    assert [r.usage.cached_tokens for r in results[1:]] == [3 * BLOCK_SIZE] * 2
+    sampled = common_pb2.SamplingParams(temperature=1.0, seed=77)
+    samples = generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=12, sampling=sampled, ignore_eos=True, n=2)
+    second = tokens_of(r for r in samples if r.index == 1)
+    alone = generate(worker, prompt_token_ids=ids(prompt), max_new_tokens=12, ignore_eos=True,
+                     sampling=common_pb2.SamplingParams(temperature=1.0, seed=78))
+    assert second == tokens_of(alone) != tokens_of(r for r in samples if r.index == 0)
+    idle(worker)
+
+
+def test_structured_outputs_hold_the_output_on_both_engines(worker):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    specs = [(common_pb2.StructuredOutput(json_schema=json.dumps(schema)),
+              lambda text: set(json.loads(text)) == {"ok", "n"}),
+             (common_pb2.StructuredOutput(regex="[a-f]{4}"), lambda text: re.fullmatch("[a-f]{4}", text)),
+             (common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=["left", "right"])),
+              lambda text: text in ("left", "right"))]
+    for spec, check in specs:
+        sampling = common_pb2.SamplingParams(temperature=0, structured_output=spec)
+        responses = generate(worker, prompt_token_ids=ids(list(range(40, 60))), max_new_tokens=100, sampling=sampling)
+        text = "".join(r.text for r in responses)
+        assert check(text), text
+        assert responses[-1].result.finish_reason in (common_pb2.FINISH_REASON_EOS, common_pb2.FINISH_REASON_STOP)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(worker, prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(
+            structured_output=common_pb2.StructuredOutput(regex="((")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling.structured_output.regex:"), info.value.details()
+    idle(worker)
+
+
 def test_logprobs_and_prompt_logprobs_match_transformers_on_both_engines(worker, tiny_llama_64):
     prompt = list(range(30, 50))
     sampling = common_pb2.SamplingParams(temperature=0, logprobs=2, prompt_logprobs=1)
@@ -240,6 +283,8 @@ def test_penalties_bias_and_min_tokens_on_both_engines(worker, tiny_llama_64):
          grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_tokens"),
         (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, sampling=common_pb2.SamplingParams(
             allowed_token_ids=[5000])), grpc.StatusCode.INVALID_ARGUMENT, "sampling.allowed_token_ids"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, n=17), grpc.StatusCode.INVALID_ARGUMENT, "n"),
+        (dict(prompt_token_ids=ids([1, 2]), max_new_tokens=4, n=-1), grpc.StatusCode.INVALID_ARGUMENT, "n"),
     ],
 )
 def test_invalid_input_gets_the_same_status_and_field_on_both_engines(worker, fields, code, field):

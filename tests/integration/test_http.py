@@ -4,6 +4,7 @@ raw HTTP, in front of two real workers on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import httpx
@@ -126,7 +127,7 @@ async def test_the_async_client_streams(stack):
 
 
 @pytest.mark.parametrize("fields, param", [
-    (dict(n=2), "n"),
+    (dict(n=17), "n"),
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(presence_penalty=2.5), "presence_penalty"),
@@ -138,7 +139,6 @@ async def test_the_async_client_streams(stack):
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(extra_body={"min_p": 2}), "min_p"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
@@ -242,6 +242,33 @@ def test_a_list_of_prompts_gets_one_choice_each_in_order(client):
     assert usage.completion_tokens == 18
 
 
+def test_n_choices_per_prompt_whole_and_streamed(client):
+    greedy = client.chat.completions.create(model=ALIAS, messages=CHAT, n=3, logprobs=True, **GREEDY)
+    alone = client.chat.completions.create(model=ALIAS, messages=CHAT, **GREEDY)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert {c.message.content for c in greedy.choices} == {alone.choices[0].message.content}
+    assert all(len(c.logprobs.content) == 6 for c in greedy.choices)
+    assert greedy.usage.prompt_tokens == alone.usage.prompt_tokens and greedy.usage.completion_tokens == 18
+    sampled = dict(model=ALIAS, prompt=["The sky is", "Hello"], n=2, temperature=1.0, seed=5, max_tokens=8,
+                   extra_body={"ignore_eos": True})
+    whole = client.completions.create(**sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert whole.choices[0].text != whole.choices[1].text  # sample i draws with seed + i
+    # Each sample is the request seeded seed + i, alone.
+    assert whole.choices[1].text == client.completions.create(**{**sampled, "prompt": "The sky is", "n": 1,
+                                                                 "seed": 6}).choices[0].text
+    stream = client.completions.create(**sampled, stream=True, stream_options={"include_usage": True})
+    streamed, finished, usage = {}, {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+            finished[choice.index] = choice.finish_reason or finished.get(choice.index)
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert set(finished.values()) == {"length"} and usage.completion_tokens == 32
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_reads_them(client, tiny_llama):
     plain = client.completions.create(model=ALIAS, prompt="The sky is blue", logprobs=1, **GREEDY)
     echoed = client.completions.create(model=ALIAS, prompt="The sky is blue", logprobs=1, echo=True, **GREEDY)
@@ -270,6 +297,9 @@ def test_echo_repeats_the_prompt_with_its_logprobs_as_lm_eval_reads_them(client,
     (dict(prompt="a", suffix="b"), "suffix"),
     (dict(prompt="a", logprobs=21), "logprobs"),
     (dict(prompt="a", echo="maybe"), "echo"),
+    (dict(prompt="a", n=17), "n"),
+    (dict(prompt="a", n=0), "n"),
+    (dict(prompt="a", n=2, best_of=3), "best_of"),
 ])
 def test_bad_completion_fields_are_a_bad_request_naming_them(client, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -379,11 +409,81 @@ def test_the_responses_api_whole_and_streamed(client):
     assert finished.status in ("completed", "incomplete") and finished.output[0].role == "assistant"
 
 
+SHORT_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["color", "size"], "additionalProperties": False}
+HELD = dict(temperature=0, max_tokens=200)
+
+
+def test_structured_outputs_hold_the_output_whole_and_streamed(client):
+    """The tiny model's weights are random: whatever it prefers, the output matches its spec."""
+    formats = [
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "item", "schema": SHORT_SCHEMA,
+                                                                      "strict": True}}),
+        dict(extra_body={"guided_json": SHORT_SCHEMA}),
+        dict(extra_body={"structured_outputs": {"json": json.dumps(SHORT_SCHEMA)}}),
+    ]
+    for fields in formats:
+        completion = client.chat.completions.create(model=ALIAS, messages=CHAT, **HELD, **fields)
+        item = json.loads(completion.choices[0].message.content, strict=False)
+        assert completion.choices[0].finish_reason == "stop"
+        assert item["color"] in ("red", "green", "blue") and 1 <= item["size"] <= 9 and set(item) == {"color", "size"}
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=ALIAS, messages=CHAT, stream=True, **HELD, **formats[0]) if chunk.choices)
+    assert streamed == completion.choices[0].message.content
+    choice = client.completions.create(model=ALIAS, prompt="Pick:", extra_body={"guided_choice": ["yes", "no"]}, **HELD)
+    assert choice.choices[0].text in ("yes", "no")
+    regex = client.completions.create(model=ALIAS, prompt="Code:", extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"},
+                                      **HELD)
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
+    grammar = client.completions.create(model=ALIAS, prompt="List:", n=2, temperature=1.0, seed=3, max_tokens=200,
+                                        extra_body={"structured_outputs": {"grammar": 'root ::= "[" [a-c] ("," [a-c])* "]"'}})
+    assert all(re.fullmatch(r"\[[a-c](,[a-c])*\]", c.text) for c in grammar.choices)
+    response = client.responses.create(model=ALIAS, input="Describe an item.", temperature=0, max_output_tokens=200,
+                                       text={"format": {"type": "json_schema", "name": "item", "schema": SHORT_SCHEMA}})
+    assert json.loads(response.output_text, strict=False)["color"] in ("red", "green", "blue")
+
+
+def test_with_structured_output_of_langchain(stack):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Item(BaseModel):
+        color: str = Field(json_schema_extra={"enum": ["red", "green", "blue"]})
+        size: int = Field(ge=1, le=9)
+
+    _, url, _ = stack
+    model = ChatOpenAI(model=ALIAS, base_url=f"{url}/v1", api_key="unused", temperature=0, max_tokens=200,
+                       max_retries=0)
+    item = model.with_structured_output(Item, method="json_schema", strict=True).invoke("Describe an item.")
+    assert isinstance(item, Item) and item.color in ("red", "green", "blue") and 1 <= item.size <= 9
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}),
+     "response_format.json_schema.schema"),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (dict(response_format={"type": "yaml"}), "response_format.type"),
+    (dict(extra_body={"guided_regex": "(("}), "guided_regex"),
+    (dict(extra_body={"guided_grammar": "root ::= missing"}), "guided_grammar"),
+    (dict(extra_body={"guided_choice": []}), "guided_choice"),
+    (dict(extra_body={"guided_choice": ["a"], "guided_regex": "a"}), "guided_choice"),
+    (dict(extra_body={"structured_outputs": {}}), "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"json": "{not json"}}), "structured_outputs.json"),
+])
+def test_a_structured_output_that_does_not_compile_is_a_bad_request_naming_it(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=ALIAS, messages=CHAT, max_tokens=4, **fields)
+    assert info.value.body["param"] == param, info.value.body
+
+
 @pytest.mark.parametrize("fields, param", [
     (dict(store=True), "store"),
     (dict(previous_response_id="resp_1"), "previous_response_id"),
     (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
-    (dict(text={"format": {"type": "json_object"}}), "text"),
+    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "wrong"}}}), "text"),
+    (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text"),
+    (dict(extra_body={"n": 2}), "n"),
     (dict(input=[{"role": "robot", "content": "hi"}]), "input"),
     (dict(max_output_tokens=0), "max_output_tokens"),
     (dict(max_output_tokens=10**6), "max_output_tokens"),

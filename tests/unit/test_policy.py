@@ -276,6 +276,30 @@ def test_finish_time_cached_tokens_reduce_the_prefill():
     assert full < warm < cold
 
 
+def test_samples_compute_the_prompt_once_and_decode_side_by_side():
+    # n = 3 of a 40-token prompt: the first computes it (32, then 8 tokens), the other two the 8 tokens after
+    # its last full block of 16 beside that second chunk; then 4 decode steps of all three.
+    view = step_view(block_size=16)
+    score = finish_time_score(view, RouteInput(prompt_tokens=40, max_new_tokens=5, samples=3)).score
+    assert score == pytest.approx(2 * BASE + (40 + 2 * 8) * PER_PREFILL + 4 * (BASE + 3 * PER_DECODE), rel=1e-12)
+    one, three = (cost_score(view, RouteInput(prompt_tokens=40, max_new_tokens=5, samples=n)) for n in (1, 3))
+    assert three.prefill_s == one.prefill_s and three.decode_s == pytest.approx(3 * one.decode_s)
+
+
+def test_a_structured_output_pays_its_mask_in_every_step_it_samples():
+    mask = 0.003
+    view = step_view(step_per_constrained_row_s=mask)
+    free = RouteInput(prompt_tokens=100, max_new_tokens=5)
+    held = RouteInput(prompt_tokens=100, max_new_tokens=5, constrained=True)
+    # 5 tokens sampled (the last prefill chunk's, then 4 decodes): 5 masks.
+    assert finish_time_score(view, held).score == pytest.approx(finish_time_score(view, free).score + 5 * mask)
+    assert cost_score(view, held).decode_s == pytest.approx(cost_score(view, free).decode_s + 5 * mask)
+    queued = step_view(step_per_constrained_row_s=mask, queue=(QueuedWork(True, 0, 10, constrained=True),),
+                       num_running=1)
+    plain_queue = step_view(step_per_constrained_row_s=mask, queue=(QueuedWork(True, 0, 10),), num_running=1)
+    assert finish_time_score(queued, free).score > finish_time_score(plain_queue, free).score
+
+
 def test_finish_time_full_worker_waits_for_a_slot():
     base, per_prefill, per_decode = 0.01, 1e-4, 1e-4
     queue = (QueuedWork(True, 0, 10), QueuedWork(True, 0, 20))

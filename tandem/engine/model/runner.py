@@ -18,6 +18,7 @@ from tandem.engine.model.sampler import Sample, sample, token_logprobs
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.utils import cdiv
 from tandem.model_files import eos_token_ids
+from tandem.structured import MaskTimer
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.torch_device)
         self._block_rows: dict[str, _BlockRow] = {}
         self.cos_table, self.sin_table = rope_tables(config, self.max_model_len, self.dtype, self.torch_device)
+        self._mask_timer = MaskTimer()
         self.decode_graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, self.cos_table, self.sin_table,
                                           num_slots - 1, self.max_model_len) if cuda_graphs else None
         logger.info("model %s on %s (%s, %s weights for decode steps): %d KV blocks of %d tokens", model_dir, self.device,
@@ -175,11 +177,18 @@ class ModelRunner:
         samples = self._sampled(items, logits[:num_sampled])
         return self._with_prompt_logprobs(items, samples, prompt_rows, logits[num_sampled:]) if prompt_rows else samples
 
+    def take_mask_seconds(self) -> float:
+        return self._mask_timer.take_step_seconds()
+
+    @property
+    def mask_seconds_per_row(self) -> float:
+        return self._mask_timer.seconds_per_row
+
     def _sampled(self, items: list[ScheduledRequest], logits: torch.Tensor) -> list[Sample | None]:
         """Each item's sample, None for a chunk that samples none; ``logits``: a row for each item that
         samples, in order."""
         sampling = [item.request for item in items if item.samples]
-        samples = iter(sample(logits, sampling, self.eos_token_ids) if sampling else [])
+        samples = iter(sample(logits, sampling, self.eos_token_ids, self._mask_timer) if sampling else [])
         return [next(samples) if item.samples else None for item in items]
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""Token sampling: logit processing (bias, min_tokens, penalties), then greedy or temperature, min-p, top-k
-and top-p with a per-request seeded generator; log-probabilities where a request asks for them."""
+"""Token sampling: logit processing (bias, min_tokens, penalties, the structured-output mask), then greedy or
+temperature, min-p, top-k and top-p with a per-request seeded generator; log-probabilities where a request
+asks for them."""
 
 from __future__ import annotations
 
@@ -8,16 +9,24 @@ from collections.abc import Collection
 
 import torch
 
+from tandem import structured
 from tandem.engine.request import Request, Sample, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collection[int]) -> list[Sample]:
-    """Pick one token per row of ``logits`` [len(requests), vocab] by each request's sampling settings."""
+def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: Collection[int],
+           mask_timer: structured.MaskTimer | None = None) -> list[Sample]:
+    """Pick one token per row of ``logits`` [len(requests), vocab] by each request's sampling settings; a
+    request with a constraint (structured output) then advances it by its token."""
     raw = logits.float()
     processed = _processed(raw, requests, eos_token_ids)
+    constraints = {row: request.constraint for row, request in enumerate(requests) if request.constraint is not None}
+    if constraints:
+        structured.apply(processed, constraints, mask_timer)
     greedy = processed.argmax(dim=-1).tolist()
     tokens = [greedy[row] if request.sampling.is_greedy else _draw(processed[row], request)
               for row, request in enumerate(requests)]
+    for row, constraint in constraints.items():
+        constraint.accept(tokens[row])
     logprobs: list[TokenLogprobs | None] = [None] * len(requests)
     rows = [row for row, request in enumerate(requests) if request.sampling.logprobs is not None]
     if rows:
@@ -106,7 +115,7 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 def _processes_logits(request: Request) -> bool:
     params = request.sampling
     return bool(params.logit_bias or params.allowed_token_ids) or params.has_penalties \
-        or request.num_output_tokens < params.min_tokens
+        or request.num_output_tokens < params.min_tokens or request.constraint is not None
 
 
 def _draw(scores: torch.Tensor, request: Request) -> int:
