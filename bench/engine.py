@@ -33,9 +33,15 @@ from tandem.model_files import resolve_model
 from tandem.engine.model.runner import DTYPES, resolve_dtype
 from tandem.engine.request import Request
 from tandem.sampling import SamplingParams
+from tandem.structured import StructuredOutput
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GREEDY = SamplingParams(temperature=0)
+# --structured: an array of records too long to end within the output budget, so every token is masked
+STRUCTURED = {"type": "array", "minItems": 40, "items": {
+    "type": "object", "required": ["name", "age", "tags"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},
+                   "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}}}}
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 
 
@@ -207,9 +213,13 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=None, help="Tandem's burst requests ask for N top logprobs")
     parser.add_argument("--penalties", action="store_true",
                         help="Tandem's burst requests use " + ", ".join(f"{k}={v}" for k, v in PENALTIES.items()))
+    parser.add_argument("--structured", action="store_true",
+                        help="Tandem's burst requests hold their output to a JSON schema (STRUCTURED)")
     parser.add_argument("--output", type=Path, default=RESULTS / "engine.json")
     args = parser.parse_args()
-    sampling = SamplingParams(temperature=0, logprobs=args.logprobs, **(PENALTIES if args.penalties else {}))
+    structured = StructuredOutput("json_schema", json.dumps(STRUCTURED)) if args.structured else None
+    sampling = SamplingParams(temperature=0, logprobs=args.logprobs, structured_output=structured,
+                              **(PENALTIES if args.penalties else {}))
 
     torch.set_num_threads(os.cpu_count() or 1)
     dtype = resolve_dtype(torch.device(args.device), args.dtype)
@@ -251,6 +261,7 @@ def main() -> None:
             "max_active": args.requests,
             "tandem_logprobs": args.logprobs,
             "tandem_penalties": PENALTIES if args.penalties else None,
+            "tandem_structured_output": STRUCTURED if args.structured else None,
         },
         "model": str(model_dir),
         "device": args.device,
