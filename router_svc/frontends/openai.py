@@ -35,6 +35,7 @@ from sse_starlette import EventSourceResponse
 from router_svc import metrics
 from router_svc.errors import RoutingError, Status
 from router_svc.frontends.openai_responses import ResponseObjects
+from router_svc.frontends.openai_tools import HeldReply, ToolUse
 from router_svc.frontends.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ResponsesRequest, TokenizeRequest, without_unhonoured)
 from router_svc.frontends.preparation import Preparation, Submission
@@ -238,8 +239,8 @@ class OpenAIFrontEnd:
     async def _prompt_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
         """The token ids of each prompt: the chat's one, or each of the completion's."""
         if isinstance(body, ChatCompletionRequest):
-            conversation = [{"role": m.role, "content": m.text} for m in body.messages]
             try:
+                conversation = body.conversation(body.tool_use())
                 return [_truncated(body, await encode_chat(self.tokenizer, conversation, "messages",
                                                            body.add_generation_prompt, body.continue_final_message,
                                                            body.chat_template_kwargs))]
@@ -318,8 +319,10 @@ class OpenAIFrontEnd:
         span = self._span(request, f"POST {request.url.path}")
         generations = await self._started(routed, request_id, span)
         echoed = self._echoed(body, prompts)
+        tool_use = body.tool_use() if chat else None
         chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
-                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body), body.n)
+                        body.continuous_usage, sum(map(len, prompts)), self._shown_token(body), body.n,
+                        tool_use if tool_use is not None and tool_use.active else None)
         headers = {"x-request-id": request_id, "x-tandem-worker": ",".join(g.worker for g in generations)}
         if body.stream:
             return EventSourceResponse(self._stream(generations, echoed, chunks, span), headers=headers, sep="\n")
@@ -360,36 +363,57 @@ class OpenAIFrontEnd:
             await _all([generation.close() for generation in generations])
 
     async def responses(self, request: Request) -> Response:
-        """The Responses API, stateless: the conversation rendered as a chat, one message out."""
+        """The Responses API, stateless: the conversation rendered as a chat; one message, or calls, out."""
         self._authorize(request)
         body = await self._parse(request, ResponsesRequest)
         try:
-            prompt = _truncated(body, await encode_chat(self.tokenizer, body.conversation(), "input"))
+            tool_use = body.tool_use()
+            prompt = _truncated(body, await encode_chat(self.tokenizer, body.conversation(tool_use), "input"))
         except InvalidRequestError as exc:
             raise HttpError.of(exc) from None
         request_id = self._request_id(request)
         routed = await self._routed(body, prompt, request_id, _deadline(request))
         span = self._span(request, f"POST {request.url.path}")
         generations = await self._started([routed], request_id, span)
-        objects = ResponseObjects(f"resp_{request_id}", body)
+        objects = ResponseObjects(f"resp_{request_id}", body, tool_use)
         headers = {"x-request-id": request_id, "x-tandem-worker": generations[0].worker}
         if body.stream:
             return EventSourceResponse(self._response_events(generations[0], objects, span), headers=headers, sep="\n")
         outcome, = await self._collected(generations, span)
-        return JSONResponse(objects.response(outcome.text, outcome.result), headers=headers)
+        calls = tool_use.calls(outcome.text) if tool_use.active else None
+        return JSONResponse(objects.response(outcome.text, outcome.result, calls), headers=headers)
 
     async def _response_events(self, generation: "Generation", objects: ResponseObjects, span) -> AsyncIterator[dict]:
+        """The stream's events; with tools, text that may be a call is held back until it is known (``HeldReply``),
+        and the message opens only once some text is known to be one."""
         try:
             for event in objects.opening_events():
                 yield _event(event)
-            text = []
+            held = HeldReply(objects.tool_use) if objects.tool_use.active else None
+            text: list[str] = []
+
+            def message_text(delta: str) -> list[dict]:
+                if not delta:
+                    return []
+                opening = [] if text else objects.message_opening_events()
+                text.append(delta)
+                return [*opening, objects.delta_event(delta)]
+
             async for response in generation.responses():
-                if response.text:
-                    text.append(response.text)
-                    yield _event(objects.delta_event(response.text))
-                if response.HasField("result"):
-                    for event in objects.closing_events("".join(text), response.result):
-                        yield _event(event)
+                for event in message_text(held.feed(response.text) if held else response.text):
+                    yield _event(event)
+                if not response.HasField("result"):
+                    continue
+                calls, rest = held.end() if held else (None, "")
+                if calls:
+                    events = objects.call_events(calls, response.result)
+                else:
+                    events = message_text(rest)
+                    if not text:
+                        events += objects.message_opening_events()
+                    events += objects.closing_events("".join(text), response.result)
+                for event in events:
+                    yield _event(event)
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             yield _event(objects.event("error", **HttpError.of(exc).body()["error"]))
@@ -422,14 +446,10 @@ class OpenAIFrontEnd:
             usage = []
             async with contextlib.aclosing(merged([g.responses() for g in generations])) as responses:
                 async for prompt_index, response in responses:
-                    index = chunks.choice(prompt_index, response.index)
                     chunks.streamed_tokens += len(response.token_ids)
-                    if response.text or (chunks.token_text and response.logprobs):
-                        yield _data(chunks.chunk({"content": response.text} if chunks.chat else response.text, index=index,
-                                                 logprobs=chunks.logprobs(response.token_ids, response.logprobs, index)))
+                    for chunk in chunks.streamed(chunks.choice(prompt_index, response.index), response):
+                        yield _data(chunk)
                     if response.HasField("result"):
-                        yield _data(chunks.chunk({} if chunks.chat else "",
-                                                 _FINISH_REASONS.get(response.result.finish_reason), index=index))
                         usage.append((response.index, response.result.usage))
             if chunks.include_usage:
                 yield _data(chunks.usage_chunk(usage))
@@ -550,9 +570,11 @@ class Chunks:
     prompt_tokens: int = 0
     token_text: Callable[[int], str] | None = None
     samples: int = 1  # choices per prompt (``n``): prompt i's sample j is choice i * samples + j
+    tool_use: ToolUse | None = None  # chat with tools the model may call
     streamed_tokens: int = 0
     created: int = 0
     text_offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's text so far
+    held: dict[int, tuple[HeldReply, dict | None]] = field(default_factory=dict)  # tools: per choice, held text
 
     def __post_init__(self):
         self.created = int(time.time())
@@ -574,6 +596,39 @@ class Chunks:
             chunk["usage"] = None
         return chunk
 
+    def streamed(self, index: int, response: worker_pb2.GenerateResponse) -> list[dict]:
+        """The chunks of choice ``index`` that one worker response makes. With tools, text that may be a call is
+        held back (``HeldReply``), with its log-probabilities, until the choice ends as calls or as content."""
+        text, logprobs = response.text, self.logprobs(response.token_ids, response.logprobs, index)
+        chunks = []
+        if self.tool_use is not None:
+            reply, held_logprobs = self.held.get(index) or (HeldReply(self.tool_use), None)
+            text, logprobs = reply.feed(text), _joined(held_logprobs, logprobs)
+            if not text and reply.holding is not False:  # held back, with its log-probabilities
+                self.held[index], logprobs = (reply, logprobs), None
+            else:
+                self.held[index] = (reply, None)
+        if text or (logprobs and self.token_text):
+            chunks.append(self.chunk({"content": text} if self.chat else text, index=index, logprobs=logprobs))
+        if response.HasField("result"):
+            finish_reason = _FINISH_REASONS.get(response.result.finish_reason)
+            if self.tool_use is not None:
+                reply, held_logprobs = self.held.pop(index)
+                calls, rest = reply.end()
+                if calls:
+                    finish_reason = "tool_calls"
+                    for position, call in enumerate(calls):
+                        chunks.append(self.chunk({"tool_calls": [{"index": position, "id": call.id, "type": "function",
+                                                                  "function": {"name": call.name, "arguments": ""}}]},
+                                                 index=index))
+                        chunks.append(self.chunk({"tool_calls": [{"index": position,
+                                                                  "function": {"arguments": call.arguments}}]},
+                                                 index=index))
+                elif rest:
+                    chunks.append(self.chunk({"content": rest}, index=index, logprobs=held_logprobs))
+            chunks.append(self.chunk({} if self.chat else "", finish_reason, index=index))
+        return chunks
+
     def usage_chunk(self, usages: list[tuple[int, common_pb2.Usage]]) -> dict:
         return {**self.chunk(None), "choices": [], "usage": _usage(usages)}
 
@@ -585,7 +640,14 @@ class Chunks:
             finish_reason = _FINISH_REASONS.get(outcome.result.finish_reason)
             echoed_logprobs = self.echo_logprobs(echo, outcome.prompt_logprobs, index) if echo else None
             logprobs = _joined(echoed_logprobs, self.logprobs(outcome.token_ids, outcome.logprobs, index))
-            choices.append({"index": index, "message": {"role": "assistant", "content": outcome.text},
+            message = {"role": "assistant", "content": outcome.text}
+            calls = self.tool_use.calls(outcome.text) if self.tool_use is not None else None
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                    for call in calls]}
+                finish_reason, logprobs = "tool_calls", None
+            choices.append({"index": index, "message": message,
                             "logprobs": logprobs, "finish_reason": finish_reason} if self.chat
                            else {"index": index, "text": (echo.text if echo else "") + outcome.text,
                                  "logprobs": logprobs, "finish_reason": finish_reason})
@@ -713,7 +775,9 @@ def _validated(schema, body: dict):
         raise HttpError.of(exc) from None
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
+        # the location without pydantic's tags for the member of a union it tried (``literal[...]``, a class name)
+        param = ".".join(str(part) for part in error["loc"]
+                         if not (isinstance(part, str) and ("[" in part or part[:1].isupper()))) or None
         raise HttpError(400, f"{param}: {error['msg']}" if param else error["msg"], param) from None
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from router_svc.frontends.openai_tools import Tool, ToolUse, written_calls, written_result
 from tandem.errors import InvalidRequestError
 from tandem.protocol import CHAT_ROLES
 from tandem.sampling import MAX_LOGPROBS, MAX_SAMPLES
@@ -42,14 +43,62 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made, as the history repeats it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: str | list[TextPart]
+    role: Literal[(*CHAT_ROLES, "tool")]  # type: ignore[valid-type]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, tool_call_id, info: ValidationInfo):
+        if tool_call_id is not None and info.data.get("role") != "tool":
+            raise ValueError("only on a tool message")
+        return tool_call_id
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str = ""
+    parameters: dict | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # calls are held to the schema either way under required or a named function
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 # Fields of the OpenAI API that Tandem does not honour: the value each may take, which is what it means
@@ -57,11 +106,8 @@ class ChatMessage(_Strict):
 _UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "suffix": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
     "prompt_logprobs": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
@@ -229,6 +275,9 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -247,6 +296,42 @@ class ChatCompletionRequest(_Sampling):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_use(self) -> ToolUse:
+        """The request's tools and how the model may use them (``tool_choice`` ``auto`` where tools are given)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return ToolUse([Tool(t.function.name, t.function.description, t.function.parameters or {})
+                        for t in self.tools or []],
+                       choice.function.name if isinstance(choice, NamedToolChoice) else choice,
+                       self.parallel_tool_calls)
+
+    def _structured_outputs(self):
+        tool_use = self.tool_use()
+        if tool_use.forced:
+            yield "tools", "json_schema", json.dumps(tool_use.schema())
+        yield from super()._structured_outputs()
+
+    def conversation(self, tool_use: ToolUse) -> list[dict[str, str]]:
+        """The messages as the chat template renders them: the tools described in a system message, and earlier
+        calls and their results written as text (``router_svc.frontends.openai_tools``)."""
+        names = {call.id: call.function.name for m in self.messages for call in m.tool_calls or ()}
+        conversation = []
+        for message in self.messages:
+            text = message.text
+            if message.tool_calls:
+                calls = written_calls([(call.function.name, call.function.arguments) for call in message.tool_calls])
+                text = f"{text}\n{calls}" if text else calls
+            if message.role == "tool":
+                conversation.append({"role": "user", "content": written_result(
+                    names.get(message.tool_call_id or "", ""), message.tool_call_id or "", text)})
+            else:
+                conversation.append({"role": message.role, "content": text})
+        if tool_use.active:
+            if conversation[0]["role"] == "system":
+                conversation[0] = {"role": "system", "content": f"{conversation[0]['content']}\n\n{tool_use.prompt()}"}
+            else:
+                conversation.insert(0, {"role": "system", "content": tool_use.prompt()})
+        return conversation
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -331,7 +416,7 @@ class InputText(_Strict):
 
 
 class InputMessage(_Strict):
-    """An item of a Responses request's ``input``: a message (the only kind served without tools)."""
+    """An item of a Responses request's ``input``: a message."""
 
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
@@ -342,6 +427,40 @@ class InputMessage(_Strict):
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_Strict):
+    """An item of a Responses request's ``input``: a call the model made earlier."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutput(_Strict):
+    """An item of a Responses request's ``input``: a call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponsesFunction(_Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedFunction(_Strict):
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(_Strict):
@@ -361,16 +480,16 @@ class TextOptions(_Strict):
 class ResponsesRequest(_Sampling):
     """The Responses API, stateless: every request carries its whole conversation."""
 
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutput], Field(min_length=1)]
     n: Literal[1] = 1  # one output per response
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     text: TextOptions | None = None
     store: bool | None = None
     previous_response_id: str | None = None
-    tools: list | None = None
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ResponsesFunction] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
+    parallel_tool_calls: bool = True
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     include: Annotated[list, Field(max_length=0)] | None = None
@@ -382,18 +501,19 @@ class ResponsesRequest(_Sampling):
             raise ValueError("this server stores no responses; send the whole conversation as input")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools):
-        if tools:
-            raise ValueError("tools are not served by this server")
-        return tools
-
     @property
     def num_logprobs(self) -> int | None:
         return None
 
+    def tool_use(self) -> ToolUse:
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return ToolUse([Tool(t.name, t.description or "", t.parameters or {}) for t in self.tools or []],
+                       choice.name if isinstance(choice, ResponsesNamedFunction) else choice, self.parallel_tool_calls)
+
     def _structured_outputs(self):
+        tool_use = self.tool_use()
+        if tool_use.forced:
+            yield "tools", "json_schema", json.dumps(tool_use.schema())
         text_format = self.text.format if self.text is not None else None
         if text_format is not None and text_format.type == "json_object":
             yield "text.format", "json_object", ""
@@ -412,10 +532,22 @@ class ResponsesRequest(_Sampling):
 
     prompt_field: ClassVar[str] = "input"
 
-    def conversation(self) -> list[dict[str, str]]:
-        """``instructions`` and ``input`` as chat messages (a developer message is a system one)."""
-        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+    def conversation(self, tool_use: ToolUse) -> list[dict[str, str]]:
+        """``instructions`` and ``input`` as chat messages (a developer message is a system one), with the tools
+        described and earlier calls and results written as text (``router_svc.frontends.openai_tools``)."""
+        system = [self.instructions] if self.instructions is not None else []
+        if tool_use.active:
+            system.append(tool_use.prompt())
+        messages = [{"role": "system", "content": "\n\n".join(system)}] if system else []
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
-        return [*messages, *({"role": "system" if item.role == "developer" else item.role, "content": item.text}
-                             for item in self.input)]
+        names = {item.call_id: item.name for item in self.input if isinstance(item, FunctionCallItem)}
+        for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                messages.append({"role": "assistant", "content": written_calls([(item.name, item.arguments)])})
+            elif isinstance(item, FunctionCallOutput):
+                messages.append({"role": "user", "content": written_result(names.get(item.call_id, ""), item.call_id,
+                                                                            item.output)})
+            else:
+                messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
+        return messages

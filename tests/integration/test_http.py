@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from typing import Literal
 
 import httpx
 import openai
@@ -138,7 +139,6 @@ async def test_the_async_client_streams(stack):
     (dict(extra_body={"min_tokens": 5}), "min_tokens"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(extra_body={"min_p": 2}), "min_p"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
@@ -459,6 +459,101 @@ def test_with_structured_output_of_langchain(stack):
     assert isinstance(item, Item) and item.color in ("red", "green", "blue") and 1 <= item.size <= 9
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_required_named_and_auto_whole_and_streamed(client):
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # One call a reply: the random model could add calls to a parallel reply without end.
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        completion = client.chat.completions.create(model=ALIAS, messages=asked, tools=[WEATHER, TIME],
+                                                    tool_choice=choice, parallel_tool_calls=False, **HELD)
+        message, finish = completion.choices[0].message, completion.choices[0].finish_reason
+        assert finish == "tool_calls" and message.content is None
+        call = message.tool_calls[0]
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in (("get_weather", "get_time") if choice == "required" else ("get_time",))
+        arguments = json.loads(call.function.arguments)
+        assert arguments in ({"zone": "UTC"}, {"zone": "CET"}) or set(arguments) == {"city", "unit"}
+        assert len(message.tool_calls) == 1
+    stream = client.chat.completions.create(model=ALIAS, messages=asked, tools=[WEATHER, TIME], tool_choice="required",
+                                            parallel_tool_calls=False, stream=True, **HELD)
+    calls, finish = {}, None
+    for chunk in stream:
+        for delta_call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+            entry = calls.setdefault(delta_call.index, {"id": None, "name": None, "arguments": ""})
+            entry["id"] = delta_call.id or entry["id"]
+            entry["name"] = (delta_call.function.name if delta_call.function else None) or entry["name"]
+            entry["arguments"] += (delta_call.function.arguments or "") if delta_call.function else ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    whole = client.chat.completions.create(model=ALIAS, messages=asked, tools=[WEATHER, TIME], tool_choice="required",
+                                           parallel_tool_calls=False, **HELD)
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    # auto: whatever the random model writes comes back, as calls or as content, never as an error
+    auto = client.chat.completions.create(model=ALIAS, messages=asked, tools=[WEATHER], tool_choice="auto", **HELD)
+    assert auto.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert (auto.choices[0].message.content is None) == (auto.choices[0].finish_reason == "tool_calls")
+    # the round trip: the call and its result in the history
+    history = [*asked, whole.choices[0].message.model_dump(exclude_none=True),
+               *({"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in whole.choices[0].message.tool_calls)]
+    answer = client.chat.completions.create(model=ALIAS, messages=history, tools=[WEATHER, TIME], tool_choice="none",
+                                            **GREEDY)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_function_calls_in_the_responses_api_whole_and_streamed(client):
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}]
+    asked = dict(model=ALIAS, input="What is the weather in Paris?", tools=tools, tool_choice="required",
+                 parallel_tool_calls=False, temperature=0, max_output_tokens=200)
+    response = client.responses.create(**asked)
+    call, = response.output
+    assert call.type == "function_call" and call.call_id.startswith("call_") and response.status == "completed"
+    assert call.name in ("get_weather", "get_time") and isinstance(json.loads(call.arguments), dict)
+    events = list(client.responses.create(**asked, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert events[3].delta == events[4].arguments == call.arguments
+    answered = client.responses.create(
+        model=ALIAS, tools=tools, temperature=0, max_output_tokens=8, input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}], tool_choice="none")
+    assert answered.output[0].type == "message" and answered.output_text
+
+
+def test_tool_calls_of_langchain(stack):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:  # an enum: a random model's free string may not end
+        """The weather in a city."""
+        return f"18 C in {city}"
+
+    _, url, _ = stack
+    model = ChatOpenAI(model=ALIAS, base_url=f"{url}/v1", api_key="unused", temperature=0, max_tokens=100,
+                       max_retries=0)
+    asked = [HumanMessage("What is the weather in Paris?")]
+    reply = model.bind_tools([get_weather], tool_choice="get_weather", parallel_tool_calls=False).invoke(asked)
+    call, = reply.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Oslo")
+    result = ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
+    answer = model.bind_tools([get_weather]).invoke([*asked, reply, result])
+    assert isinstance(answer.content, str)
+
+
 @pytest.mark.parametrize("fields, param", [
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}),
      "response_format.json_schema.schema"),
@@ -470,6 +565,12 @@ def test_with_structured_output_of_langchain(stack):
     (dict(extra_body={"guided_choice": ["a"], "guided_regex": "a"}), "guided_choice"),
     (dict(extra_body={"structured_outputs": {}}), "structured_outputs"),
     (dict(extra_body={"structured_outputs": {"json": "{not json"}}), "structured_outputs.json"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools.0.function.name"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "other"}}), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="always"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(extra_body={"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}),
+     "messages.0.tool_call_id"),
 ])
 def test_a_structured_output_that_does_not_compile_is_a_bad_request_naming_it(client, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
@@ -480,7 +581,8 @@ def test_a_structured_output_that_does_not_compile_is_a_bad_request_naming_it(cl
 @pytest.mark.parametrize("fields, param", [
     (dict(store=True), "store"),
     (dict(previous_response_id="resp_1"), "previous_response_id"),
-    (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+    (dict(tools=[{"type": "function", "parameters": {}}]), "tools"),
+    (dict(tools=[{"type": "function", "name": "f"}], tool_choice={"type": "function", "name": "g"}), "tool_choice"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "wrong"}}}), "text"),
     (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text"),
     (dict(extra_body={"n": 2}), "n"),
