@@ -90,11 +90,13 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "chat_template", "t
                                  "documents", "add_generation_prompt", "continue_final_message"})
 
 
-async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False, template_variables: dict | None = None) -> list[int]:
+async def encode_chat(tokenizer, conversation: list[dict], field: str, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, template_variables: dict | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``conversation`` rendered with the model's chat template: ready for the assistant's turn
     (``add_generation_prompt``), or open at the end of its last message for the model to continue
-    (``continue_final_message``); ``template_variables`` go to the template besides the messages.
+    (``continue_final_message``); ``template_variables`` go to the template besides the messages. With
+    ``tools`` (for a template that renders them), the messages may also be ``tool`` results.
 
     Raises:
         InvalidRequestError: a role is unknown, the model has no template, or the template rejects the chat.
@@ -103,16 +105,17 @@ async def encode_chat(tokenizer, conversation: list[dict[str, str]], field: str,
         raise InvalidRequestError("continue_final_message", "cannot be set with add_generation_prompt")
     for name in _TEMPLATE_ARGUMENTS.intersection(template_variables or {}):
         raise InvalidRequestError(f"chat_template_kwargs.{name}", "is set by the request itself, not a template variable")
+    roles = (*CHAT_ROLES, "tool") if tools else CHAT_ROLES
     for index, message in enumerate(conversation):
-        if message["role"] not in CHAT_ROLES:
-            raise InvalidRequestError(f"{field}[{index}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+        if message["role"] not in roles:
+            raise InvalidRequestError(f"{field}[{index}].role", f"must be one of {', '.join(roles)}")
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(field.partition(".")[0], "this model has no chat template; send prompt_text or "
                                                            "prompt_token_ids")
     try:
         return await asyncio.to_thread(lambda: list(tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=True, return_dict=False, **(template_variables or {}))))
+            tokenize=True, return_dict=False, **({"tools": tools} if tools else {}), **(template_variables or {}))))
     except Exception as exc:  # the model's template rejected the conversation (jinja raises freely)
         raise InvalidRequestError(field.partition(".")[0], f"the chat template rejected the messages: {exc}") from None
 

@@ -35,7 +35,7 @@ from sse_starlette import EventSourceResponse
 from router_svc import metrics
 from router_svc.errors import RoutingError, Status
 from router_svc.frontends.openai_responses import ResponseObjects
-from router_svc.frontends.openai_tools import HeldReply, ToolUse
+from router_svc.frontends.openai_tools import HeldReply, ToolUse, renders_tools
 from router_svc.frontends.openai_schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ResponsesRequest, TokenizeRequest, without_unhonoured)
 from router_svc.frontends.preparation import Preparation, Submission
@@ -130,6 +130,7 @@ class OpenAIFrontEnd:
         self.model = model
         self.preparation = preparation
         self.auth = auth
+        self.renders_tools = renders_tools(tokenizer)  # else tools go in the generic format (openai_tools)
         self._token_text = functools.lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
 
     def app(self) -> FastAPI:
@@ -240,10 +241,10 @@ class OpenAIFrontEnd:
         """The token ids of each prompt: the chat's one, or each of the completion's."""
         if isinstance(body, ChatCompletionRequest):
             try:
-                conversation = body.conversation(body.tool_use())
-                return [_truncated(body, await encode_chat(self.tokenizer, conversation, "messages",
+                tool_use = body.tool_use(self.renders_tools)
+                return [_truncated(body, await encode_chat(self.tokenizer, body.conversation(tool_use), "messages",
                                                            body.add_generation_prompt, body.continue_final_message,
-                                                           body.chat_template_kwargs))]
+                                                           body.chat_template_kwargs, tool_use.template_tools()))]
             except InvalidRequestError as exc:
                 raise HttpError.of(exc) from None
         texts = [prompt for prompt in body.prompts if isinstance(prompt, str)]
@@ -319,7 +320,7 @@ class OpenAIFrontEnd:
         span = self._span(request, f"POST {request.url.path}")
         generations = await self._started(routed, request_id, span)
         echoed = self._echoed(body, prompts)
-        tool_use = body.tool_use() if chat else None
+        tool_use = body.tool_use(self.renders_tools) if chat else None
         chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
                         body.continuous_usage, sum(map(len, prompts)), self._shown_token(body), body.n,
                         tool_use if tool_use is not None and tool_use.active else None)
@@ -367,8 +368,9 @@ class OpenAIFrontEnd:
         self._authorize(request)
         body = await self._parse(request, ResponsesRequest)
         try:
-            tool_use = body.tool_use()
-            prompt = _truncated(body, await encode_chat(self.tokenizer, body.conversation(tool_use), "input"))
+            tool_use = body.tool_use(self.renders_tools)
+            prompt = _truncated(body, await encode_chat(self.tokenizer, body.conversation(tool_use), "input",
+                                                        tools=tool_use.template_tools()))
         except InvalidRequestError as exc:
             raise HttpError.of(exc) from None
         request_id = self._request_id(request)

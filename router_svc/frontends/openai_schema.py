@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from router_svc.frontends.openai_tools import Tool, ToolUse, written_calls, written_result
+from router_svc.frontends.openai_tools import Tool, ToolUse, call_message, result_message
 from tandem.errors import InvalidRequestError
 from tandem.protocol import CHAT_ROLES
 from tandem.sampling import MAX_LOGPROBS, MAX_SAMPLES
@@ -297,13 +297,13 @@ class ChatCompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def tool_use(self) -> ToolUse:
+    def tool_use(self, template_renders_tools: bool = False) -> ToolUse:
         """The request's tools and how the model may use them (``tool_choice`` ``auto`` where tools are given)."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         return ToolUse([Tool(t.function.name, t.function.description, t.function.parameters or {})
                         for t in self.tools or []],
                        choice.function.name if isinstance(choice, NamedToolChoice) else choice,
-                       self.parallel_tool_calls)
+                       self.parallel_tool_calls, template_renders_tools)
 
     def _structured_outputs(self):
         tool_use = self.tool_use()
@@ -311,22 +311,21 @@ class ChatCompletionRequest(_Sampling):
             yield "tools", "json_schema", json.dumps(tool_use.schema())
         yield from super()._structured_outputs()
 
-    def conversation(self, tool_use: ToolUse) -> list[dict[str, str]]:
-        """The messages as the chat template renders them: the tools described in a system message, and earlier
-        calls and their results written as text (``router_svc.frontends.openai_tools``)."""
+    def conversation(self, tool_use: ToolUse) -> list[dict]:
+        """The messages as the chat template renders them, with the tools described and earlier calls and
+        their results as ``tool_use`` writes them (``router_svc.frontends.openai_tools``)."""
         names = {call.id: call.function.name for m in self.messages for call in m.tool_calls or ()}
         conversation = []
         for message in self.messages:
-            text = message.text
             if message.tool_calls:
-                calls = written_calls([(call.function.name, call.function.arguments) for call in message.tool_calls])
-                text = f"{text}\n{calls}" if text else calls
-            if message.role == "tool":
-                conversation.append({"role": "user", "content": written_result(
-                    names.get(message.tool_call_id or "", ""), message.tool_call_id or "", text)})
+                conversation.append(call_message(tool_use, message.text, [
+                    (call.id, call.function.name, call.function.arguments) for call in message.tool_calls]))
+            elif message.role == "tool":
+                call_id = message.tool_call_id or ""
+                conversation.append(result_message(tool_use, call_id, names.get(call_id, ""), message.text))
             else:
-                conversation.append({"role": message.role, "content": text})
-        if tool_use.active:
+                conversation.append({"role": message.role, "content": message.text})
+        if tool_use.active and not tool_use.native:
             if conversation[0]["role"] == "system":
                 conversation[0] = {"role": "system", "content": f"{conversation[0]['content']}\n\n{tool_use.prompt()}"}
             else:
@@ -505,10 +504,11 @@ class ResponsesRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return None
 
-    def tool_use(self) -> ToolUse:
+    def tool_use(self, template_renders_tools: bool = False) -> ToolUse:
         choice = self.tool_choice or ("auto" if self.tools else "none")
         return ToolUse([Tool(t.name, t.description or "", t.parameters or {}) for t in self.tools or []],
-                       choice.name if isinstance(choice, ResponsesNamedFunction) else choice, self.parallel_tool_calls)
+                       choice.name if isinstance(choice, ResponsesNamedFunction) else choice, self.parallel_tool_calls,
+                       template_renders_tools)
 
     def _structured_outputs(self):
         tool_use = self.tool_use()
@@ -536,7 +536,7 @@ class ResponsesRequest(_Sampling):
         """``instructions`` and ``input`` as chat messages (a developer message is a system one), with the tools
         described and earlier calls and results written as text (``router_svc.frontends.openai_tools``)."""
         system = [self.instructions] if self.instructions is not None else []
-        if tool_use.active:
+        if tool_use.active and not tool_use.native:
             system.append(tool_use.prompt())
         messages = [{"role": "system", "content": "\n\n".join(system)}] if system else []
         if isinstance(self.input, str):
@@ -544,10 +544,9 @@ class ResponsesRequest(_Sampling):
         names = {item.call_id: item.name for item in self.input if isinstance(item, FunctionCallItem)}
         for item in self.input:
             if isinstance(item, FunctionCallItem):
-                messages.append({"role": "assistant", "content": written_calls([(item.name, item.arguments)])})
+                messages.append(call_message(tool_use, "", [(item.call_id, item.name, item.arguments)]))
             elif isinstance(item, FunctionCallOutput):
-                messages.append({"role": "user", "content": written_result(names.get(item.call_id, ""), item.call_id,
-                                                                            item.output)})
+                messages.append(result_message(tool_use, item.call_id, names.get(item.call_id, ""), item.output))
             else:
                 messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
         return messages

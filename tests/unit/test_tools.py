@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router_svc.frontends.openai_tools import HeldReply, Tool, ToolUse
+from router_svc.frontends.openai_tools import HeldReply, Tool, ToolUse, renders_tools
 from tandem.errors import InvalidRequestError
 
 WEATHER = Tool("get_weather", "The weather", {"type": "object", "properties": {"city": {"type": "string"}}})
@@ -58,3 +58,63 @@ def test_held_text_streams_once_it_is_known_not_to_be_a_call(choice, pieces, str
     found, rest = held.end()
     assert bool(found) == calls
     assert "".join(streamed) + rest == ("" if calls else "".join(pieces))
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<s>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """The tiny test tokenizer, whose template ignores tools, and the same with a template that renders them."""
+    from tests.models import build_tokenizer
+
+    plain = build_tokenizer(tmp_path_factory.mktemp("plain"))
+    tooled = build_tokenizer(tmp_path_factory.mktemp("tooled"))
+    tooled.chat_template = TOOLS_TEMPLATE
+    return plain, tooled
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_history_as_it_expects(tokenizers):
+    from router_svc.frontends.openai_schema import ChatCompletionRequest
+
+    plain, tooled = tokenizers
+    assert not renders_tools(plain) and renders_tools(tooled)
+    body = ChatCompletionRequest.model_validate({"model": "m", "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}], "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]})
+    native = body.tool_use(template_renders_tools=True)
+    assert native.native and native.template_tools()[0]["function"]["name"] == "get_weather"
+    rendered = tooled.apply_chat_template(body.conversation(native), tools=native.template_tools(),
+                                          add_generation_prompt=True, tokenize=False)
+    assert "Tools: get_weather" in rendered
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in rendered
+    assert "<s>tool\n3 C</s>" in rendered
+    generic = body.tool_use(template_renders_tools=False)
+    conversation = body.conversation(generic)
+    assert conversation[0]["role"] == "system" and "get_weather" in conversation[0]["content"]
+    assert conversation[-1] == {"role": "user", "content": "The result of get_weather (call c1):\n3 C"}
+    forced = ChatCompletionRequest.model_validate({**body.model_dump(exclude_none=True), "tool_choice": "required"})
+    assert not forced.tool_use(template_renders_tools=True).native  # required is held to the generic format
+
+
+def test_the_call_formats_templates_teach_are_read_back():
+    tools = ToolUse([WEATHER, TIME], "auto", parallel=True, template_renders_tools=True)
+    tagged = tools.calls('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+                         '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in tagged] == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    bare = tools.calls('{"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in bare] == [("get_weather", {"city": "Rome"})]
+    assert tools.calls('It is sunny. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>') is None
+    assert tools.calls('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>') is None
+    generic_only = ToolUse([WEATHER], "auto", parallel=True)
+    assert generic_only.calls('{"name": "get_weather", "parameters": {}}') is None
+    held = HeldReply(tools)
+    assert held.feed("<tool_call>") == "" and held.feed('{"name": "get_time", "arguments": {}}</tool_call>') == ""
+    assert held.end()[0][0].name == "get_time"
