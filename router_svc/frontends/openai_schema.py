@@ -224,8 +224,19 @@ class _Sampling(_Strict):
             raise InvalidRequestError(given[1][0], f"only one structured output may be set; {given[0][0]} is set too")
         return given[0] if given else None
 
+    def tool_use(self, template_renders_tools: bool = False) -> ToolUse:
+        """The request's tools and how the model may use them: none, unless the API has tools."""
+        return ToolUse([], "none", True)
+
     def _structured_outputs(self):
-        """Each field that may set a constraint: (field, kind, spec), or None where it sets none."""
+        """Each field that may set a constraint: (field, kind, spec), or None where it sets none; a forced tool
+        call first, as the calls' JSON schema."""
+        tool_use = self.tool_use()
+        if tool_use.forced:
+            yield "tools", "json_schema", json.dumps(tool_use.schema())
+        yield from self._format_outputs()
+
+    def _format_outputs(self):
         response_format = self.response_format
         if response_format is not None and response_format.type == "json_object":
             yield "response_format", "json_object", ""
@@ -304,12 +315,6 @@ class ChatCompletionRequest(_Sampling):
                         for t in self.tools or []],
                        choice.function.name if isinstance(choice, NamedToolChoice) else choice,
                        self.parallel_tool_calls, template_renders_tools)
-
-    def _structured_outputs(self):
-        tool_use = self.tool_use()
-        if tool_use.forced:
-            yield "tools", "json_schema", json.dumps(tool_use.schema())
-        yield from super()._structured_outputs()
 
     def conversation(self, tool_use: ToolUse) -> list[dict]:
         """The messages as the chat template renders them, with the tools described and earlier calls and
@@ -510,10 +515,7 @@ class ResponsesRequest(_Sampling):
                        choice.name if isinstance(choice, ResponsesNamedFunction) else choice, self.parallel_tool_calls,
                        template_renders_tools)
 
-    def _structured_outputs(self):
-        tool_use = self.tool_use()
-        if tool_use.forced:
-            yield "tools", "json_schema", json.dumps(tool_use.schema())
+    def _format_outputs(self):
         text_format = self.text.format if self.text is not None else None
         if text_format is not None and text_format.type == "json_object":
             yield "text.format", "json_object", ""
@@ -521,7 +523,7 @@ class ResponsesRequest(_Sampling):
             if text_format.schema_ is None:
                 raise InvalidRequestError("text.format.schema", "is required with type json_schema")
             yield "text.format.schema", "json_schema", json.dumps(text_format.schema_)
-        yield from super()._structured_outputs()
+        yield from super()._format_outputs()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
