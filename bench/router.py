@@ -80,7 +80,8 @@ def _timed_call(call) -> float:
     return (time.perf_counter() - start) * 1000
 
 
-def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Path, ...] = ()) -> dict:
+def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Path, ...] = (),
+                     model: str | None = None) -> dict:
     """TTFT and TPOT directly to gpu_worker and through the router, interleaved; with ``checkouts``, also
     through the router of each of those source trees, over the same workers, in the same rotation."""
     from tandem.v1 import router_pb2_grpc, worker_pb2_grpc
@@ -98,7 +99,8 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
             http_urls[_http_path(tree)] = f"http://127.0.0.1:{http_port}"
         worker = worker_pb2_grpc.WorkerStub(stack.gpu.channel)
         rng = random.Random(0)
-        prompt = [rng.randrange(10, 40000) for _ in range(64)]
+        vocab_size = worker.GetInfo(worker_pb2.GetInfoRequest(), timeout=10).vocab_size
+        prompt = [rng.randrange(10, min(40000, vocab_size)) for _ in range(64)]
         sampling = common_pb2.SamplingParams(temperature=0.0)
         ids = worker_pb2.TokenIds(ids=prompt)
         direct_request = worker_pb2.GenerateRequest(prompt_token_ids=ids, max_new_tokens=max_new_tokens,
@@ -108,7 +110,7 @@ def measure_overhead(stack, count: int, max_new_tokens: int, checkouts: tuple[Pa
         calls = {"direct": lambda: _grpc_tokens(worker.Generate(direct_request, timeout=60))}
         calls.update({name: (lambda stub=stub: _grpc_tokens(stub.Generate(routed_request, timeout=60)))
                       for name, stub in stubs.items()})
-        http_body = {"model": model_name(None), "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
+        http_body = {"model": model_name(model), "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0,
                      "ignore_eos": True, "stream": True, "tandem": {"policy": "gpu_only"}}
         http = routers.enter_context(httpx.Client())
         calls.update({name: (lambda url=url: _sse_tokens(http, f"{url}/v1/completions", http_body))
@@ -299,6 +301,8 @@ def main() -> int:
                         help="run only this part, into bench/results/router-PART.json")
     parser.add_argument("--footprint-requests", type=int, default=50, help="routed requests before RSS is read")
     parser.add_argument("--footprint-runs", type=int, default=1, help="router starts measured (medians reported)")
+    parser.add_argument("--model", help="the workers' model (default: the built-in one); a tiny model's short steps "
+                                            "leave the router's own overhead standing out")
     parser.add_argument("--compare-checkout", type=Path, action="append", default=[], metavar="TREE",
                         help="also measure the router of this source tree over the same workers (repeatable)")
     args = parser.parse_args()
@@ -306,12 +310,12 @@ def main() -> int:
     report = {}
     if args.only is None:
         report["decision_time"] = measure_decisions(args.decision_repeats)
-    stack = start_stack(str(resolve_model(None)), RESULTS / "router-logs")
+    stack = start_stack(str(resolve_model(args.model)), RESULTS / "router-logs")
     try:
         stack.wait_for_health()
         asyncio.run(wait_for_healthy_backends(stack.router.address))
         if args.only in (None, "overhead"):
-            report["overhead"] = measure_overhead(stack, args.requests, args.max_new_tokens, checkouts)
+            report["overhead"] = measure_overhead(stack, args.requests, args.max_new_tokens, checkouts, args.model)
         if args.only in (None, "footprint"):
             report["router_footprint"] = measure_footprint(stack, args.footprint_requests, args.footprint_runs,
                                                            checkouts)

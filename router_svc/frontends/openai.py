@@ -25,12 +25,11 @@ from dataclasses import asdict, dataclass, field
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.protobuf import json_format
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette import EventSourceResponse
 
 from router_svc import metrics
 from router_svc.errors import RoutingError, Status
@@ -326,7 +325,7 @@ class OpenAIFrontEnd:
                         tool_use if tool_use is not None and tool_use.active else None)
         headers = {"x-request-id": request_id, "x-tandem-worker": ",".join(g.worker for g in generations)}
         if body.stream:
-            return EventSourceResponse(self._stream(generations, echoed, chunks, span), headers=headers, sep="\n")
+            return _event_stream(self._stream(generations, echoed, chunks, span), headers)
         outcomes = await self._collected(generations, span)
         headers["x-tandem-worker"] = ",".join(g.worker for g in generations)
         return JSONResponse(chunks.complete(outcomes, echoed), headers=headers)
@@ -380,12 +379,12 @@ class OpenAIFrontEnd:
         objects = ResponseObjects(f"resp_{request_id}", body, tool_use)
         headers = {"x-request-id": request_id, "x-tandem-worker": generations[0].worker}
         if body.stream:
-            return EventSourceResponse(self._response_events(generations[0], objects, span), headers=headers, sep="\n")
+            return _event_stream(self._response_events(generations[0], objects, span), headers)
         outcome, = await self._collected(generations, span)
         calls = tool_use.calls(outcome.text) if tool_use.active else None
         return JSONResponse(objects.response(outcome.text, outcome.result, calls), headers=headers)
 
-    async def _response_events(self, generation: "Generation", objects: ResponseObjects, span) -> AsyncIterator[dict]:
+    async def _response_events(self, generation: "Generation", objects: ResponseObjects, span) -> AsyncIterator[bytes]:
         """The stream's events; with tools, text that may be a call is held back until it is known (``HeldReply``),
         and the message opens only once some text is known to be one."""
         try:
@@ -436,7 +435,7 @@ class OpenAIFrontEnd:
                 for given, ids in zip(body.prompts, prompts)]
 
     async def _stream(self, generations: list["Generation"], echoed: list["Echo | None"], chunks: "Chunks",
-                      span) -> AsyncIterator[dict]:
+                      span) -> AsyncIterator[bytes]:
         try:
             for generation, echo in zip(generations, echoed):
                 for index in chunks.choices(generation.index):
@@ -455,7 +454,7 @@ class OpenAIFrontEnd:
                         usage.append((response.index, response.result.usage))
             if chunks.include_usage:
                 yield _data(chunks.usage_chunk(usage))
-            yield {"data": "[DONE]"}
+            yield _DONE
         except RoutingError as exc:
             mark_failed_status(span, exc.status.name, str(exc))
             yield _data(HttpError.of(exc).body())
@@ -751,13 +750,23 @@ def _deadline(request: Request) -> float | None:
     return time.monotonic() + seconds
 
 
-def _event(payload: dict) -> dict:
+def _event(payload: dict) -> bytes:
     """A server-sent event of the Responses API: named by its type."""
-    return {"event": payload["type"], **_data(payload)}
+    return f"event: {payload['type']}\n".encode() + _data(payload)
 
 
-def _data(payload: dict) -> dict:
-    return {"data": json.dumps(payload, separators=(",", ":"))}
+def _data(payload: dict) -> bytes:
+    """A server-sent event of chat and completions: one JSON object."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def _event_stream(events: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    """Server-sent events as they come, unbuffered by proxies on the way."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
 async def _json_object(request: Request) -> dict:
