@@ -25,6 +25,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _only_when(field: str, other: str, value: str, message: str):
+    """A validator: ``field`` may be set only where the field ``other`` (declared before it) is ``value``."""
+
+    def check(cls, given, info: ValidationInfo):
+        if given is not None and info.data.get(other) != value:
+            raise ValueError(message)
+        return given
+
+    return field_validator(field)(classmethod(check))
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension: usage so far in every chunk
@@ -63,12 +74,7 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # an assistant's
     tool_call_id: str | None = None  # a tool's: the call it answers
 
-    @field_validator("tool_call_id")
-    @classmethod
-    def _answers_a_call(cls, tool_call_id, info: ValidationInfo):
-        if tool_call_id is not None and info.data.get("role") != "tool":
-            raise ValueError("only on a tool message")
-        return tool_call_id
+    _answers_a_call = _only_when("tool_call_id", "role", "tool", "only on a tool message")
 
     @property
     def text(self) -> str:
@@ -133,12 +139,7 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("json_schema")
-    @classmethod
-    def _with_its_type(cls, json_schema, info: ValidationInfo):
-        if json_schema is not None and info.data.get("type") != "json_schema":
-            raise ValueError("only with type json_schema")
-        return json_schema
+    _with_its_type = _only_when("json_schema", "type", "json_schema", "only with type json_schema")
 
 
 class StructuredOutputs(_Strict):
@@ -433,25 +434,27 @@ class InputMessage(_Strict):
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
-class FunctionCallItem(_Strict):
+class _CallItem(_Strict):
+    """What a Responses request's ``input`` items about one function call share."""
+
+    call_id: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_CallItem):
     """An item of a Responses request's ``input``: a call the model made earlier."""
 
     type: Literal["function_call"]
-    call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutput(_Strict):
+class FunctionCallOutput(_CallItem):
     """An item of a Responses request's ``input``: a call's result."""
 
     type: Literal["function_call_output"]
-    call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class ResponsesFunction(_Strict):

@@ -558,6 +558,7 @@ def test_tool_calls_of_langchain(stack):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wrong"}}}),
      "response_format.json_schema.schema"),
     (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (dict(response_format={"type": "text", "json_schema": {"name": "x", "schema": {}}}), "response_format.json_schema"),
     (dict(response_format={"type": "yaml"}), "response_format.type"),
     (dict(extra_body={"guided_regex": "(("}), "guided_regex"),
     (dict(extra_body={"guided_grammar": "root ::= missing"}), "guided_grammar"),
