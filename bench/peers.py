@@ -90,7 +90,7 @@ TANDEM_PRECISIONS = {
     "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16"},
     "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8"},
 }
-DEFAULT_PRECISION = "float32+f16-decode"  # the workers' defaults: float32 with DEFAULT_DECODE_WEIGHTS
+DEFAULT_PRECISION = "float32+int8-decode"  # the workers' defaults: float32 with DEFAULT_DECODE_WEIGHTS
 # Each workload's throughput in a result, and its name in the speed-ups.
 WORKLOADS = (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream"))
 

@@ -1,8 +1,9 @@
 """What each weight format costs a CPU decode step: every linear layer of the default model's shape
 (30 layers and the output head, each with its own weights, so nothing stays in cache), multiplied by
 1 to 32 rows, as oneDNN's packed fp32, float16 through Tandem's kernel (tandem/engine/model/cpu_kernels.c;
-the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), int8 with a
-scale per row through the same kernel, bf16 through F.linear, and int8 through torch's int8 kernel.
+the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), int8 through
+the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default), bf16
+through F.linear, and int8 through torch's int8 kernel.
 
 It sets `FEW_ROWS` (tandem/engine/model/llama.py): the most rows at which the float16 kernel beats
 packed fp32. Writes bench/results/weights.json.
@@ -24,6 +25,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # (out, in) of one SmolLM2-135M layer's fused projections: qkv, o, gate_up, down; then the output head.
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
+INT8_GROUPS = (None, 64, 32)  # columns per int8 scale; None: one per row
 
 
 def timed_ms(step, repeats: int) -> float:
@@ -50,7 +52,7 @@ def main() -> None:
     weights = [torch.randn(shape) * 0.02 for shape in shapes]
     f16 = [kernels.pack(w, torch.float16) for w in weights]
     f16_narrower = {other: [other.pack(w, torch.float16) for w in weights] for other in narrower}
-    int8_kernel = [kernels.pack(w, torch.int8) for w in weights]
+    int8_kernel = {group: [kernels.pack(w, torch.int8, group) for w in weights] for group in INT8_GROUPS}
     bf16 = [w.bfloat16() for w in weights]
     scales = [w.abs().amax(1) / 127 for w in weights]
     int8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
@@ -66,7 +68,9 @@ def main() -> None:
             **{f"f16_kernel_{other.isa}": lambda other=other: [other.linear(inputs[w.in_features], w, None)
                                                                for w in f16_narrower[other]]
                for other in narrower},
-            "int8_kernel": lambda: [kernels.linear(inputs[w.in_features], w, None) for w in int8_kernel],
+            **{f"int8_kernel_{'row' if group is None else f'g{group}'}":
+               lambda group=group: [kernels.linear(inputs[w.in_features], w, None) for w in int8_kernel[group]]
+               for group in INT8_GROUPS},
             "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
             "int8": lambda: [torch._weight_int8pack_mm(inputs[s[1]], w, scale) for w, s, scale in zip(int8, shapes, scales)],
         }

@@ -85,10 +85,11 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="weights and activations dtype")
     parser.add_env_argument("--decode-weights", "TANDEM_DECODE_WEIGHTS", DEFAULT_DECODE_WEIGHTS,
                             choices=list(DECODE_WEIGHTS),
-                            help="float32 models on the CPU: the weights that decode steps (up to 32 rows) read; float16 "
-                                 "keeps a second, half-size copy for them, int8 a quarter-size one (a scale per row; "
-                                 "faster, but greedy output drifts from float32), read by kernels built on first use "
-                                 "(AVX2 or AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none")
+                            help="float32 models on the CPU: the weights that decode steps (up to 32 rows) read; int8 "
+                                 "keeps a second, quarter-size copy for them (a scale per 32 columns), float16 a "
+                                 "half-size one, read by kernels built on first use (AVX2 or AVX-512 CPUs with a C "
+                                 "compiler; float32 elsewhere); float32 keeps none. int8 and float16 pass the "
+                                 "teacher-forced quality gate against float32")
     parser.add_env_argument("--cuda-graphs", "TANDEM_CUDA_GRAPHS", "auto", choices=list(CUDA_GRAPHS),
                             help="replay steps of decodes alone (up to 64 rows) from CUDA graphs, one launch in place "
                                  "of every kernel of the step; auto: on CUDA")

@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model import cpu_kernels
+from tandem.engine.model.cpu_kernels import INT8_GROUP
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import FEW_ROWS, PackedLinear
 from tests.engine.helpers import greedy_request, random_prompt, run_to_completion
@@ -43,13 +44,15 @@ def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(ke
 
 
 @torch.inference_mode()
-def test_few_row_steps_read_the_int8_copy_with_a_scale_per_row(kernels):
+def test_few_row_steps_read_the_int8_copy_with_a_scale_per_group(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(64, 7)
     packed = PackedLinear(linear, kernels, torch.int8)
-    assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == 9 * 64 + 9 * 4
-    scales = linear.weight.abs().amax(dim=1, keepdim=True) / 127
-    dequantized = torch.round(linear.weight / scales) * scales
+    assert packed.decode_weight.group == INT8_GROUP == 32
+    assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == 9 * 64 + 9 * 2 * 4
+    groups = linear.weight.view(7, 2, 32)
+    scales = groups.abs().amax(dim=2, keepdim=True) / 127
+    dequantized = (torch.round(groups / scales) * scales).view(7, 64)
     x = torch.randn(3, 64)
     torch.testing.assert_close(packed(x), F.linear(x, dequantized, linear.bias), rtol=1e-5, atol=1e-5)
     assert (packed(x) - linear(x)).abs().max() < 0.02  # within int8 rounding of the float32 weights
@@ -59,22 +62,29 @@ def unpacked(packed):
     """The [out, in] weight that ``pack`` laid out in tiles, scaled back where it is int8."""
     rows = packed.data.transpose(1, 2).reshape(-1, packed.in_features).double()
     if packed.scales is not None:
-        rows = rows * packed.scales.double()[:, None]
+        groups = packed.scales.shape[1]
+        scales = packed.scales.transpose(1, 2).reshape(-1, groups).double()
+        rows = rows * scales.repeat_interleave(packed.in_features // groups, dim=1)
     return rows[:packed.out_features]
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("dtype, group", [(torch.float16, None), (torch.int8, None), (torch.int8, 16),
+                                          (torch.int8, 32)])
 @pytest.mark.parametrize("rows, width, outputs", [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64)])
-def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, rows, width, outputs):
+def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, group, rows, width, outputs):
+    if group is not None and width % group:
+        pytest.skip(f"rows {width} wide have no groups of {group}")
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width), torch.randn(outputs)
-    packed = kernels.pack(weight.half() if dtype == torch.float16 else weight, dtype)
+    packed = kernels.pack(weight.half() if dtype == torch.float16 else weight, dtype, group)
     assert packed.dtype == dtype
     if dtype == torch.float16:
         torch.testing.assert_close(unpacked(packed).float(), weight.half().float())
-    else:  # every row rounded to 255 levels of its own scale
-        assert (unpacked(packed).float() - weight).abs().max() <= weight.abs().max() / 254 + 1e-6
+    else:  # every group rounded to 255 levels of its own scale
+        grouped = weight.view(outputs, -1, group or width)
+        error = (unpacked(packed).float() - weight).view(grouped.shape).abs()
+        assert (error <= grouped.abs().amax(dim=2, keepdim=True) / 254 + 1e-6).all()
     expected = F.linear(x.double(), unpacked(packed), bias.double()).float()
     torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernels.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-4)
@@ -84,9 +94,11 @@ def test_linear_and_pack_name_what_they_were_given_wrong(kernels):
     with pytest.raises(ValueError, match="float32 rows 16 wide"):
         kernels.linear(torch.randn(1, 8), kernels.pack(torch.randn(4, 16), torch.float16), None)
     with pytest.raises(ValueError, match="float32 rows"):
-        kernels.linear(torch.randn(1, 16).double(), kernels.pack(torch.randn(4, 16), torch.int8), None)
+        kernels.linear(torch.randn(1, 64).double(), kernels.pack(torch.randn(4, 64), torch.int8), None)
     with pytest.raises(ValueError, match=f"multiple of {kernels.chunk} wide"):
         kernels.pack(torch.randn(4, 12), torch.float16)
+    with pytest.raises(ValueError, match="groups of 32"):
+        kernels.pack(torch.randn(4, 48), torch.int8, 32)
     with pytest.raises(ValueError, match="float16 or int8"):
         kernels.pack(torch.randn(4, 16), torch.bfloat16)
 

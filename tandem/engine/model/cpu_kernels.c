@@ -3,9 +3,10 @@
  *
  * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w.
  * A decode step multiplies every weight matrix by a handful of rows, so it is bound by reading the
- * weights. Stored as float16 they are half the bytes of float32, as int8 (each row scaled to ±127, its
- * scale kept as a float32) a quarter; they are widened to float32 in registers, and every product and
- * sum is float32, the row's scale applied to its sum. The weight rows are cut into tiles of TILE_N rows,
+ * weights. Stored as float16 they are half the bytes of float32, as int8 a quarter plus their scales:
+ * each group of `group` consecutive weights of a row is scaled to ±127, its scale kept as a float32 (a
+ * group of a whole row is one scale per row). They are widened to float32 in registers and multiplied by
+ * their group's scale, and every product and sum is float32. The weight rows are cut into tiles of TILE_N rows,
  * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass
  * over it. Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and
  * the weights are packed for that width.
@@ -91,56 +92,62 @@ int tandem_linear_chunk(void)
 }
 
 /* rows m < rows_m of x against one packed tile; rows_m and int8 (the weights are int8 with a scale per
- * row, else float16) are constants at every call site, so the accumulators stay in registers and each
- * weight format gets its own loop. Writes the first `columns` of the tile's TILE_N outputs. */
+ * group of `group` columns, else float16) are constants at every call site, so the accumulators stay in
+ * registers and each weight format gets its own loop. The tile's scales are [k_size / group][TILE_N].
+ * Writes the first `columns` of the tile's TILE_N outputs. */
 static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t k_size, const void *w, int int8, const float *scales, const float *bias, float *y,
-    int64_t ldy, int rows_m, int columns)
+    const float *x, int64_t k_size, const void *w, int int8, const float *scales, int64_t group,
+    const float *bias, float *y, int64_t ldy, int rows_m, int columns)
 {
     chunk_vector acc[TILE_M][TILE_N];
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < TILE_N; n++)
             acc[m][n] = chunk_zero();
     const int64_t ahead = rows_m == 1 ? PREFETCH_BYTES_ONE_ROW : PREFETCH_BYTES;
-    for (int64_t k = 0; k < k_size; k += CHUNK) {
-        chunk_vector wv[TILE_N];
-        const char *next = (const char *)w + k * TILE_N * (int8 ? 1 : 2);
-        _mm_prefetch(next + ahead, _MM_HINT_T0);
-        if (!int8)
-            _mm_prefetch(next + ahead + 64, _MM_HINT_T0);
-        for (int n = 0; n < TILE_N; n++)
-            wv[n] = int8 ? chunk_load_i8((const int8_t *)w + k * TILE_N + n * CHUNK)
-                         : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
-        for (int m = 0; m < rows_m; m++) {
-            chunk_vector xv = chunk_load(x + m * k_size + k);
+    for (int64_t start = 0; start < k_size; start += group) {
+        chunk_vector scale[TILE_N];
+        if (int8)
             for (int n = 0; n < TILE_N; n++)
-                acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
+                scale[n] = chunk_set1(scales[start / group * TILE_N + n]);
+        for (int64_t k = start; k < start + group; k += CHUNK) {
+            chunk_vector wv[TILE_N];
+            const char *next = (const char *)w + k * TILE_N * (int8 ? 1 : 2);
+            _mm_prefetch(next + ahead, _MM_HINT_T0);
+            if (!int8)
+                _mm_prefetch(next + ahead + 64, _MM_HINT_T0);
+            for (int n = 0; n < TILE_N; n++)
+                wv[n] = int8 ? chunk_mul(chunk_load_i8((const int8_t *)w + k * TILE_N + n * CHUNK), scale[n])
+                             : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
+            for (int m = 0; m < rows_m; m++) {
+                chunk_vector xv = chunk_load(x + m * k_size + k);
+                for (int n = 0; n < TILE_N; n++)
+                    acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
+            }
         }
     }
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < columns; n++) {
             float sum = chunk_sum(acc[m][n]);
-            if (int8)
-                sum *= scales[n];
             y[m * ldy + n] = bias ? sum + bias[n] : sum;
         }
 }
 
 /* Every row of x against tile t. */
 static inline __attribute__((always_inline)) void tile_all_rows(
-    const float *x, int64_t rows, int64_t k_size, const void *w, int int8, const float *scales, int64_t n_size,
-    const float *bias, float *y, int64_t t)
+    const float *x, int64_t rows, int64_t k_size, const void *w, int int8, const float *scales, int64_t group,
+    int64_t n_size, const float *bias, float *y, int64_t t)
 {
     int64_t n = t * TILE_N;
     int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
     const void *wt = (const char *)w + n * k_size * (int8 ? 1 : 2);
-    const float *st = int8 ? scales + n : 0, *bt = bias ? bias + n : 0;
+    const float *st = int8 ? scales + n * (k_size / group) : 0, *bt = bias ? bias + n : 0;
     int64_t m = 0;
     for (; m + TILE_M <= rows; m += TILE_M)
-        tile(x + m * k_size, k_size, wt, int8, st, bt, y + m * n_size + n, n_size, TILE_M, columns);
+        tile(x + m * k_size, k_size, wt, int8, st, group, bt, y + m * n_size + n, n_size, TILE_M, columns);
     /* the remaining rows in one pass over the tile, their count a constant in each case */
 #define REMAINING(count) \
-    case count: tile(x + m * k_size, k_size, wt, int8, st, bt, y + m * n_size + n, n_size, count, columns); break;
+    case count: tile(x + m * k_size, k_size, wt, int8, st, group, bt, y + m * n_size + n, n_size, count, columns); \
+        break;
     switch (rows - m) {
         REMAINING(1) REMAINING(2) REMAINING(3)
 #if TILE_M == 8
@@ -151,20 +158,23 @@ static inline __attribute__((always_inline)) void tile_all_rows(
 }
 
 /* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] weights:
- * float16 bits where scales is NULL, else int8 with scales [n_size] float32 (row r's weights are
- * w[r] · scales[r]); bias [n_size] float32 or NULL, y [rows, n_size] float32; all contiguous. */
-void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const float *scales,
+ * float16 bits where scales is NULL, else int8 with a float32 scale per `group` columns (a multiple of
+ * CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
+ * (weight w[r][c] is its int8 times the scale of row r's group c / group); bias [n_size] float32 or NULL,
+ * y [rows, n_size] float32; all contiguous. */
+void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const float *scales, int64_t group,
                    int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
     if (scales) {
+        group = group ? group : k_size;
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < tiles; t++)
-            tile_all_rows(x, rows, k_size, w, 1, scales, n_size, bias, y, t);
+            tile_all_rows(x, rows, k_size, w, 1, scales, group, n_size, bias, y, t);
     } else {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < tiles; t++)
-            tile_all_rows(x, rows, k_size, w, 0, 0, n_size, bias, y, t);
+            tile_all_rows(x, rows, k_size, w, 0, 0, k_size, n_size, bias, y, t);
     }
 }
 
@@ -578,7 +588,8 @@ void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float
 }
 
 /* One decoder layer's weights for tandem_decode_layers: its norms', and its linears' packed weights,
- * scales (NULL for float16 weights) and biases (NULL where none), as tandem_linear takes them. */
+ * scales (NULL for float16 weights) and biases (NULL where none), as tandem_linear takes them; every
+ * linear's scales are per `group` columns of the layer shape. */
 typedef struct {
     const float *input_norm, *post_attention_norm;
     const void *qkv, *o, *gate_up, *down;
@@ -587,7 +598,7 @@ typedef struct {
 } tandem_layer;
 
 typedef struct {
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, group;
     float eps, scale;
 } tandem_layer_shape;
 
@@ -612,7 +623,8 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
         const tandem_layer *layer = layers + l;
         float *keys = k_cache + l * cache_layer_size, *values = v_cache + l * cache_layer_size;
         tandem_rms_norm(x, residual, layer->input_norm, rows, hidden, shape->eps, normed, threads);
-        tandem_linear(normed, rows, hidden, layer->qkv, layer->qkv_scales, qkv_size, layer->qkv_bias, qkv, threads);
+        tandem_linear(normed, rows, hidden, layer->qkv, layer->qkv_scales, shape->group, qkv_size, layer->qkv_bias,
+                      qkv, threads);
         tandem_rope_and_cache(qkv, rows, shape->num_heads, shape->num_kv_heads, shape->head_dim, positions,
                               cos_table, sin_table, slot_mapping, keys, values, threads);
         int status = tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, rows,
@@ -620,12 +632,13 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
                                              shape->scale, attention, threads);
         if (status)
             return status;
-        tandem_linear(attention, rows, q_size, layer->o, layer->o_scales, hidden, layer->o_bias, x, threads);
+        tandem_linear(attention, rows, q_size, layer->o, layer->o_scales, shape->group, hidden, layer->o_bias, x,
+                      threads);
         tandem_rms_norm(x, residual, layer->post_attention_norm, rows, hidden, shape->eps, normed, threads);
-        tandem_linear(normed, rows, hidden, layer->gate_up, layer->gate_up_scales, 2 * shape->intermediate,
-                      layer->gate_up_bias, gate_up, threads);
+        tandem_linear(normed, rows, hidden, layer->gate_up, layer->gate_up_scales, shape->group,
+                      2 * shape->intermediate, layer->gate_up_bias, gate_up, threads);
         tandem_silu_and_mul(gate_up, rows, shape->intermediate, activation, threads);
-        tandem_linear(activation, rows, shape->intermediate, layer->down, layer->down_scales, hidden,
+        tandem_linear(activation, rows, shape->intermediate, layer->down, layer->down_scales, shape->group, hidden,
                       layer->down_bias, x, threads);
     }
     return 0;

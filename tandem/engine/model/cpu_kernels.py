@@ -1,7 +1,8 @@
 """CPU kernels for the decode steps of a float32 model (``cpu_kernels.c``), built on first use.
 
 - ``linear``: rows times a float16 weight (half the bytes of a float32 weight) or an int8 weight with a
-  scale per row (a quarter), packed by ``pack``, in float32 arithmetic;
+  scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), packed by ``pack``, in float32
+  arithmetic;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
@@ -39,6 +40,10 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-l
 CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # Builds of the same source, widest first: each needs these CPU flags beyond CPU_FLAGS, and compiles with
 # these flags beyond FLAGS.
+# Columns of a weight row that share one int8 scale, as llama.cpp's Q8_0 groups them: measured against a
+# scale per row and per 64 columns by the teacher-forced quality gate (tests/engine/test_quality.py) and
+# `make bench-weights`, it was the only one of the three to pass the gate.
+INT8_GROUP = 32
 ISAS = {"avx512": (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl")),
         "avx2": (frozenset(), ())}
 
@@ -49,7 +54,7 @@ class CpuKernels:
         c = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._linear = c.tandem_linear
-        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int]
+        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         self._linear.restype = None
         self.tile_rows = c.tandem_linear_tile_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
@@ -71,25 +76,37 @@ class CpuKernels:
                                         i64, ptr, ctypes.c_int]
         self._decode_layers.restype = ctypes.c_int
 
-    def pack(self, weight: torch.Tensor, dtype: torch.dtype) -> "PackedWeight":
+    def pack(self, weight: torch.Tensor, dtype: torch.dtype, group: int | None = INT8_GROUP) -> "PackedWeight":
         """``weight`` [n, k] (k a multiple of ``chunk``) in the tiled layout ``linear`` reads, as float16,
-        or as int8 with each row scaled to ±127 (round to nearest)."""
+        or as int8 with each ``group`` columns of a row (None: the whole row) scaled to ±127 (round to
+        nearest)."""
         rows, width = weight.shape
-        if width % self.chunk:
-            raise ValueError(f"pack needs a weight whose rows are a multiple of {self.chunk} wide, got {width}")
         if dtype not in (torch.float16, torch.int8):
             raise ValueError(f"pack makes float16 or int8 weights, not {dtype}")
+        if not self.packs(width, dtype, group):
+            raise ValueError(f"pack needs rows a multiple of {self.chunk} wide, and int8 scale groups a multiple of "
+                             f"{self.chunk} that divides them; got rows {width} wide, groups of {group}")
         padded_rows = -(-rows // self.tile_rows) * self.tile_rows
         scales = None
         if dtype == torch.int8:
-            weight = weight.float()
-            scales = torch.zeros(padded_rows, dtype=torch.float32)
-            scales[:rows] = weight.abs().amax(dim=1) / 127
-            weight = torch.round(weight / scales[:rows, None].clamp_min(torch.finfo(torch.float32).tiny))
+            groups = width // (group or width)
+            weight = weight.float().view(rows, groups, width // groups)
+            scales = torch.zeros(padded_rows, groups, dtype=torch.float32)
+            scales[:rows] = weight.abs().amax(dim=2) / 127
+            weight = torch.round(weight / scales[:rows, :, None].clamp_min(torch.finfo(torch.float32).tiny))
+            weight = weight.view(rows, width)
+            scales = scales.view(-1, self.tile_rows, groups).transpose(1, 2).contiguous()
+        else:
+            group = None
         padded = torch.zeros(padded_rows, width, dtype=dtype)
         padded[:rows] = weight
         data = padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
-        return PackedWeight(data, scales, rows, width)
+        return PackedWeight(data, scales, rows, width, group)
+
+    def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:
+        """Whether ``pack`` takes a weight of rows ``width`` wide into ``dtype`` (int8 in scale groups of ``group``)."""
+        return width % self.chunk == 0 and (dtype != torch.int8 or group is None
+                                            or (group % self.chunk == 0 and width % group == 0))
 
     def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None) -> torch.Tensor:
         """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``weight`` from ``pack``."""
@@ -98,8 +115,8 @@ class CpuKernels:
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
         self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.scales_pointer,
-                     weight.out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                     torch.get_num_threads())
+                     weight.group or 0, weight.out_features, None if bias is None else bias.data_ptr(),
+                     out.data_ptr(), torch.get_num_threads())
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -189,12 +206,14 @@ class CpuKernels:
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight [out_features, in_features] as ``CpuKernels.pack`` lays it out for ``linear``: ``data``
-    float16, or int8 with ``scales`` [rows padded to whole tiles] float32 (row r is data[r] · scales[r])."""
+    float16, or int8 with float32 ``scales``, one per ``group`` columns of a row (None: per row), tile by
+    tile."""
 
     data: torch.Tensor
     scales: torch.Tensor | None
     out_features: int
     in_features: int
+    group: int | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,8 +235,8 @@ class _Layer(ctypes.Structure):
 
 
 class _LayerShape(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
-                                                    "intermediate")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+                                                    "group")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class DecodeLayers:
@@ -230,12 +249,13 @@ class DecodeLayers:
 
     def __init__(self, layers: list[dict[str, torch.Tensor | None]], hidden: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float):
-        entries = []
+        entries, groups = [], set()
         for layer in layers:
             _check_float32(layer["input_norm"], layer["post_attention_norm"],
                            *(layer[f"{name}_bias"] for name in self.LINEARS if layer[f"{name}_bias"] is not None))
             if not all(isinstance(layer[name], PackedWeight) for name in self.LINEARS):
                 raise ValueError("decode_layers reads weights packed by CpuKernels.pack")
+            groups.update(layer[name].group for name in self.LINEARS)
             norms_and_biases = {name: None if tensor is None else tensor.data_ptr()
                                 for name, tensor in layer.items() if name not in self.LINEARS}
             entries.append(_Layer(**norms_and_biases,
@@ -243,7 +263,9 @@ class DecodeLayers:
                                   **{f"{name}_scales": layer[name].scales_pointer for name in self.LINEARS}))
         self.layers = layers
         self.table = (_Layer * len(entries))(*entries)
-        self.shape = _LayerShape(hidden, num_heads, num_kv_heads, head_dim, intermediate, eps, scale)
+        if len(groups) != 1:
+            raise ValueError(f"decode_layers needs every linear's int8 scales in groups of one size, got {groups}")
+        self.shape = _LayerShape(hidden, num_heads, num_kv_heads, head_dim, intermediate, groups.pop() or 0, eps, scale)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scratch_per_row = hidden + (q_size + 2 * kv_size) + q_size + 3 * intermediate
 

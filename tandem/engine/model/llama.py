@@ -281,7 +281,7 @@ class CausalLM(nn.Module):
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    packs = usable and decode_dtype is not None and child.in_features % kernels.chunk == 0
+                    packs = usable and decode_dtype is not None and kernels.packs(child.in_features, decode_dtype)
                     setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
@@ -320,7 +320,7 @@ class PackedLinear(nn.Module):
     weight on every call, which costs about as much as the multiply; the pre-reordered weight makes
     these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. With
     ``decode_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a copy of the weight in
-    ``decode_dtype`` (float16, or int8 with a scale per row) through their ``linear`` instead, in float32
+    ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their ``linear`` instead, in float32
     arithmetic.
     """
 
