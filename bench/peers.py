@@ -10,6 +10,13 @@ Two workloads, run by every system at every precision it offers here:
   one left in the context (llama-cpp-python keeps the longest common prefix of the context).
 - single stream: a 16-token prompt, 128 new tokens with EOS ignored, one request alone; tokens/s
   is 128 over the time from submission to the last token.
+- prefill: a fresh 512-token and a fresh 4096-token prompt (nothing cached), one new token; tokens/s is the
+  prompt's tokens over the time from submission to the first token.
+
+Quality, on the teacher-forced gate's text (tests/engine/data/quality.txt, tokenized by the served model):
+each Tandem decode-weight format and each llama.cpp GGUF gives its log-probabilities at every position, and
+the orchestrator reports perplexity, mean KL divergence and top-1 agreement against Tandem float32's
+(``tandem.engine.model.quality.Quality``), the figures llama.cpp's ``perplexity --kl-divergence`` reports.
 
 Each (system, precision) runs in its own subprocess: Tandem in this environment, vLLM and
 llama-cpp-python in the peers' environment (``--peers-python``, made by ``make bench-peers``). The
@@ -35,6 +42,9 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
+QUALITY_TEXT = ROOT / "tests" / "engine" / "data" / "quality.txt"
+PREFILL_LENGTHS = (512, 4096)
+CONTEXT = 4608  # every system's context: the longest prefill prompt and its token
 SYSTEMS = ("tandem", "vllm_cpu", "llama_cpp")
 VLLM_DTYPES = ("float32", "bfloat16")
 # GGUF precisions for llama.cpp: the shipped Q4_1 file, and conversions of the served model directory.
@@ -62,6 +72,8 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict
     burst = _median([r["makespan_s"] for r in burst_runs])
     ttfts = [r["ttft_s"] for r in single_runs if r["ttft_s"] is not None]
     single = _median([r["seconds"] for r in single_runs])
+    prefill = {f"prefill_{length}_tok_s": length / _median(seconds)
+               for length, seconds in job_prefill_seconds(job, single_runs)}
     return {
         "burst_output_tok_s": expected_burst / burst,
         "burst_makespan_s": burst,
@@ -70,9 +82,23 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict
         "single_stream_s": single,
         "single_stream_runs_s": [r["seconds"] for r in single_runs],
         "single_stream_ttft_s": _median(ttfts) if ttfts else None,
+        **prefill,
         # The greedy tokens of the first single-stream prompt, to check that every system runs the same model.
         "single_stream_first_tokens": single_runs[0]["tokens"],
     }
+
+
+def job_prefill_seconds(job: dict, single_runs: list[dict]) -> list[tuple[int, list[float]]]:
+    """(prompt length, seconds to the first token of each run) of the prefill runs, which the workers record
+    in the first single-stream run's ``prefill_s``."""
+    return [(int(length), seconds) for length, seconds in single_runs[0].get("prefill_s", {}).items()]
+
+
+def _save_logprobs(job: dict, system: str, precision: str, logprobs) -> None:
+    """Log-probabilities [positions, vocab] at every position of the quality text, for the orchestrator."""
+    import numpy
+
+    numpy.save(Path(job["quality_dir"]) / f"{system}-{precision}.npy", numpy.asarray(logprobs, dtype=numpy.float32))
 
 
 def _load_bench_engine():
@@ -92,7 +118,8 @@ TANDEM_PRECISIONS = {
 }
 DEFAULT_PRECISION = "float32+int8-decode"  # the workers' defaults: float32 with DEFAULT_DECODE_WEIGHTS
 # Each workload's throughput in a result, and its name in the speed-ups.
-WORKLOADS = (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream"))
+WORKLOADS = (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream"),
+             *((f"prefill_{length}_tok_s", f"prefill_{length}") for length in PREFILL_LENGTHS))
 
 
 def run_tandem(job: dict, precision: str) -> dict:
@@ -103,6 +130,7 @@ def run_tandem(job: dict, precision: str) -> dict:
     from tandem.engine.async_engine import AsyncEngine
     from tandem.engine.config import DEFAULT_ENGINE_PRIORITY, SchedulerConfig
     from tandem.engine.model.factory import build_engine
+    from tandem.engine.model.quality import teacher_forced_logprobs
     from tandem.engine.request import Request
     from tandem.sampling import SamplingParams
 
@@ -118,11 +146,11 @@ def run_tandem(job: dict, precision: str) -> dict:
     startup = time.perf_counter() - start
     runner = AsyncEngine(engine, priority=job["tandem_engine_priority"] or DEFAULT_ENGINE_PRIORITY)
 
-    async def single(prompt: list[int], tag: str) -> dict:
+    async def single(prompt: list[int], tag: str, max_new_tokens: int = job["max_new_tokens"]) -> dict:
         start = time.perf_counter()
         tokens: list[int] = []
         ttft = None
-        request = Request(tag, prompt, job["max_new_tokens"], SamplingParams(temperature=0), ignore_eos=True)
+        request = Request(tag, prompt, max_new_tokens, SamplingParams(temperature=0), ignore_eos=True)
         async for output in runner.generate(request):
             if ttft is None and output.token_ids:
                 ttft = time.perf_counter() - start
@@ -134,6 +162,9 @@ def run_tandem(job: dict, precision: str) -> dict:
         bursts = [await bench_engine.tandem_burst(runner, batch, job["max_new_tokens"], f"burst{r}")
                   for r, batch in enumerate(job["bursts"])]
         singles = [await single(prompt, f"single{r}") for r, prompt in enumerate(job["singles"])]
+        singles[0]["prefill_s"] = {length: [(await single(prompt, f"prefill{length}-{r}", 1))["ttft_s"]
+                                            for r, prompt in enumerate(prompts)]
+                                   for length, prompts in job["prefill_prompts"].items()}
         return bursts, singles
 
     runner.start()
@@ -141,6 +172,8 @@ def run_tandem(job: dict, precision: str) -> dict:
         bursts, singles = asyncio.run(go())
     finally:
         runner.stop()
+    if options.get("decode_weights"):  # after the timed runs: this thread's OpenMP team would compete with them
+        _save_logprobs(job, "tandem", precision, teacher_forced_logprobs(engine.executor, job["quality_tokens"]))
     result = _summary(job, bursts, singles)
     result["startup_s"] = startup
     result["settings"] = {**{k: str(v) for k, v in options.items()}, "max_active_requests": num_requests,
@@ -165,7 +198,7 @@ def run_vllm(job: dict, precision: str) -> dict:
 
     num_requests = len(job["bursts"][0])
     start = time.perf_counter()
-    llm = LLM(model=job["model_dir"], dtype=precision, enable_prefix_caching=True, max_model_len=1024,
+    llm = LLM(model=job["model_dir"], dtype=precision, enable_prefix_caching=True, max_model_len=CONTEXT,
               max_num_seqs=max(num_requests, 8), seed=0)
     startup = time.perf_counter() - start
     params = SamplingParams(temperature=0, max_tokens=job["max_new_tokens"], ignore_eos=True)
@@ -189,9 +222,12 @@ def run_vllm(job: dict, precision: str) -> dict:
             ttft = metrics.first_token_latency
         tokens = list(outputs[0].outputs[0].token_ids)
         singles.append({"seconds": seconds, "ttft_s": ttft, "output_tokens": len(tokens), "tokens": tokens})
+    first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    singles[0]["prefill_s"] = {length: [generate([prompt], first_token)[0] for prompt in prompts]
+                               for length, prompts in job["prefill_prompts"].items()}
     result = _summary(job, bursts, singles)
     result["startup_s"] = startup
-    result["settings"] = {"dtype": precision, "enable_prefix_caching": True, "max_model_len": 1024,
+    result["settings"] = {"dtype": precision, "enable_prefix_caching": True, "max_model_len": CONTEXT,
                           "max_num_seqs": max(num_requests, 8), **vllm_environment(job["threads"]),
                           "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
     import torch
@@ -206,9 +242,18 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
     path = job["gguf"][precision]
     n_threads = job["threads"]
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=n_threads,
+    llm = llama_cpp.Llama(model_path=path, n_ctx=CONTEXT, n_batch=512, n_threads=n_threads,
                           n_threads_batch=n_threads, seed=0, verbose=False)
     startup = time.perf_counter() - start
+    scorer = llama_cpp.Llama(model_path=path, n_ctx=len(job["quality_tokens"]), n_batch=512, n_threads=n_threads,
+                             n_threads_batch=n_threads, logits_all=True, verbose=False)
+    scorer.eval(job["quality_tokens"])
+    import numpy
+
+    logits = numpy.asarray(scorer.scores[:len(job["quality_tokens"]) - 1], dtype=numpy.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    _save_logprobs(job, "llama_cpp", precision, logits - numpy.log(numpy.exp(logits).sum(axis=1, keepdims=True)))
+    del scorer, logits
 
     def one(prompt: list[int], start: float) -> dict:
         """Greedy tokens until max_new_tokens; the generator does not stop at EOS by itself."""
@@ -243,9 +288,16 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
         run = one(prompt, start)
         singles.append({"seconds": time.perf_counter() - start, "ttft_s": run["ttft_s"],
                         "output_tokens": len(run["tokens"]), "tokens": run["tokens"]})
+    singles[0]["prefill_s"] = {}
+    for length, prompts in job["prefill_prompts"].items():
+        for prompt in prompts:
+            llm.reset()
+            start = time.perf_counter()
+            next(llm.generate(prompt, temp=0.0, top_k=1, reset=True))
+            singles[0]["prefill_s"].setdefault(length, []).append(time.perf_counter() - start)
     result = _summary(job, bursts, singles)
     result["startup_s"] = startup
-    result["settings"] = {"gguf": path, "n_threads": n_threads, "n_threads_batch": n_threads, "n_ctx": 1024,
+    result["settings"] = {"gguf": path, "n_threads": n_threads, "n_threads_batch": n_threads, "n_ctx": CONTEXT,
                           "n_batch": 512, "prompt_tokens_reused_per_burst_request_min": min(reused)}
     result["versions"] = {"llama_cpp_python": llama_cpp.__version__, "python": platform.python_version()}
     return result
@@ -286,8 +338,39 @@ def make_job(model_dir: Path, args: argparse.Namespace) -> dict:
         "warm_prompt": prompts.batch(1)[0],
         "bursts": [prompts.batch(args.requests) for _ in range(args.repeats)],
         "singles": prompts.unrelated(args.repeats, args.single_prompt_tokens),
+        "prefill_prompts": {length: prompts.unrelated(args.repeats, length) for length in PREFILL_LENGTHS},
+        "quality_tokens": quality_tokens(model_dir),
         "tandem_engine_priority": args.tandem_engine_priority,
     }
+
+
+def quality_tokens(model_dir: Path) -> list[int]:
+    from tandem.tokenizer import load_tokenizer
+
+    return list(load_tokenizer(model_dir).encode(QUALITY_TEXT.read_text()))
+
+
+def quality(quality_dir: Path, tokens: list[int]) -> dict:
+    """Each format's perplexity, mean KL and top-1 agreement against Tandem float32's, where both were scored."""
+    import numpy
+    import torch
+
+    from tandem.engine.model.quality import Quality
+
+    reference_file = quality_dir / "tandem-float32.npy"
+    if not reference_file.is_file():
+        return {}
+    reference = torch.from_numpy(numpy.load(reference_file))
+    targets = torch.tensor(tokens[1:])
+    figures = {}
+    for path in sorted(quality_dir.glob("*.npy")):
+        if path != reference_file:
+            measured = Quality.of(reference, torch.from_numpy(numpy.load(path)), targets)
+            figures[path.stem] = {"perplexity": measured.perplexity, "perplexity_ratio": measured.perplexity_ratio,
+                                  "mean_kl": measured.mean_kl, "top1_agreement": measured.top1_agreement,
+                                  "passes_the_gate": measured.passes()}
+    return {"reference": "tandem float32", "reference_perplexity": Quality.of(reference, reference, targets).perplexity,
+            "positions": len(targets), "figures": figures}
 
 
 def peers_home(peers_python: Path) -> Path:
@@ -397,7 +480,7 @@ def _best(entries: dict[str, dict], metric: str) -> str | None:
 
 
 def _ratio(tandem: dict, peer: dict) -> dict:
-    return {key: tandem[metric] / peer[metric] for metric, key in WORKLOADS}
+    return {key: tandem[metric] / peer[metric] for metric, key in WORKLOADS if metric in tandem and metric in peer}
 
 
 def speedups(results: dict) -> dict:
@@ -456,7 +539,8 @@ def agreement(results: dict) -> dict:
 
 
 def print_table(results: dict, speed: dict) -> None:
-    print(f"\n{'system':<11}{'precision':<21}{'burst tok/s':>12}{'makespan s':>12}{'single tok/s':>14}{'startup s':>11}")
+    print(f"\n{'system':<11}{'precision':<21}{'burst tok/s':>12}{'makespan s':>12}{'single tok/s':>14}{'startup s':>11}"
+          + "".join(f"{f'prefill {n} tok/s':>19}" for n in PREFILL_LENGTHS))
     for system, entries in results.items():
         for precision, r in entries.items():
             if not isinstance(r, dict):
@@ -465,7 +549,8 @@ def print_table(results: dict, speed: dict) -> None:
                 print(f"{system:<11}{precision:<21}  failed: {r['error'][:80]}")
                 continue
             print(f"{system:<11}{precision:<21}{r['burst_output_tok_s']:>12.1f}{r['burst_makespan_s']:>12.2f}"
-                  f"{r['single_stream_tok_s']:>14.1f}{r['startup_s']:>11.1f}")
+                  f"{r['single_stream_tok_s']:>14.1f}{r['startup_s']:>11.1f}"
+                  + "".join(f"{r.get(f'prefill_{n}_tok_s', float('nan')):>19.1f}" for n in PREFILL_LENGTHS))
     for name, entry in speed.items():
         if name == "matching_precision":
             for pair, ratio in entry.items():
@@ -474,7 +559,9 @@ def print_table(results: dict, speed: dict) -> None:
             for peer, ratio in entry.items():
                 if peer != "tandem" and "burst" in ratio:
                     print(f"tandem {entry['tandem']} (the default) {peer} (its best): burst {ratio['burst']:.2f}x, "
-                          f"single stream {ratio.get('single_stream', float('nan')):.2f}x")
+                          f"single stream {ratio.get('single_stream', float('nan')):.2f}x, "
+                          + ", ".join(f"prefill {n} {ratio.get(f'prefill_{n}', float('nan')):.2f}x"
+                                      for n in PREFILL_LENGTHS))
         elif name == "vs_llama_cpp_Q4_1" and "burst" in entry:
             print(f"tandem (best) vs llama_cpp Q4_1: burst {entry['burst']:.2f}x, "
                   f"single stream {entry.get('single_stream', float('nan')):.2f}x")
@@ -543,6 +630,7 @@ def main() -> None:
     report_machine = machine_facts()
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        job["quality_dir"] = tmp
         job_file = Path(tmp) / "job.json"
         job_file.write_text(json.dumps(job))
         for system, precision, python, env in plan:
@@ -554,7 +642,10 @@ def main() -> None:
                 print(f"  failed: {result['error']}", flush=True)
             else:
                 print(f"  burst {result['burst_output_tok_s']:.1f} tok/s (makespan {result['burst_makespan_s']:.2f} s), "
-                      f"single stream {result['single_stream_tok_s']:.1f} tok/s, {result['wall_s']:.0f} s in all", flush=True)
+                      f"single stream {result['single_stream_tok_s']:.1f} tok/s, prefill "
+                      + ", ".join(f"{n}: {result[f'prefill_{n}_tok_s']:.0f} tok/s" for n in PREFILL_LENGTHS)
+                      + f", {result['wall_s']:.0f} s in all", flush=True)
+        measured_quality = quality(Path(tmp), job["quality_tokens"])
     for precision, note in gguf_notes.items():
         if precision not in results.get("llama_cpp", {}):
             results.setdefault("llama_cpp", {})[precision] = {"error": note}
@@ -585,6 +676,7 @@ def main() -> None:
                      for system, entries in results.items()},
         "results": results,
         "speedup": speed,
+        "quality": measured_quality,
         "greedy_agreement_with_tandem_float32": agreement(results),
         "kept_from_earlier_run": kept,
         "total_s": time.perf_counter() - started,
@@ -592,6 +684,10 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
     print_table(results, speed)
+    for name, figures in measured_quality.get("figures", {}).items():
+        print(f"{name} against tandem float32 ({measured_quality['positions']} positions): perplexity "
+              f"{100 * (figures['perplexity_ratio'] - 1):+.2f}%, mean KL {figures['mean_kl']:.5f}, top-1 "
+              f"{figures['top1_agreement']:.1%}{' (passes the gate)' if figures['passes_the_gate'] else ''}")
     print(f"wrote {args.output} ({report['total_s']:.0f} s)")
 
 

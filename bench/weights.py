@@ -5,8 +5,8 @@ the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-
 the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default), bf16
 through F.linear, and int8 through torch's int8 kernel.
 
-It sets `FEW_ROWS` (tandem/engine/model/llama.py): the most rows at which the float16 kernel beats
-packed fp32. Writes bench/results/weights.json.
+It reports the most rows at which the default format (int8 in groups of ``INT8_GROUP``) beats packed fp32,
+what `FEW_ROWS` (tandem/engine/model/llama.py) weighs. Writes bench/results/weights.json.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # (out, in) of one SmolLM2-135M layer's fused projections: qkv, o, gate_up, down; then the output head.
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
-INT8_GROUPS = (None, 64, 32)  # columns per int8 scale; None: one per row
+INT8_GROUPS = (None, 64, cpu_kernels.INT8_GROUP)  # columns per int8 scale; None: one per row
 
 
 def timed_ms(step, repeats: int) -> float:
@@ -77,11 +77,12 @@ def main() -> None:
         report["ms_per_step"][rows] = {name: timed_ms(step, args.repeats) for name, step in formats.items()}
         print(rows, "rows:", ", ".join(f"{name} {ms:.1f} ms" for name, ms in report["ms_per_step"][rows].items()), flush=True)
         del packed
-    report["f16_kernel_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
-                                                  if ms["f16_kernel"] < ms["fp32_packed"]), default=0)
+    default = f"int8_kernel_g{cpu_kernels.INT8_GROUP}"
+    report["default_kernel_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
+                                                      if ms[default] < ms["fp32_packed"]), default=0)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "weights.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"the float16 kernel is faster than packed fp32 up to {report['f16_kernel_faster_up_to_rows']} rows; "
+    print(f"the default int8 kernel is faster than packed fp32 up to {report['default_kernel_faster_up_to_rows']} rows; "
           f"wrote {RESULTS / 'weights.json'}")
 
 
