@@ -10,7 +10,6 @@ It speaks in routing-core terms (``RoutingDecision``, ``RoutingError``); a front
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import time
@@ -177,11 +176,12 @@ class Router:
                         request.max_new_tokens * request.samples, request.constrained)
         call = worker.generate(request.worker_request, _remaining(request.deadline), span)
         placed_at = time.monotonic()
-        # Logged once the call's send has run (it was scheduled first), so the log never delays the request.
-        asyncio.get_running_loop().call_soon(self.bookkeeping.decided, request.request_id, decision)
         streamed = 0
         try:
-            yield decision
+            try:  # the worker call is under way while the decision goes out
+                yield decision
+            finally:  # logged once the decision is out, so the log delays neither it nor the call's send
+                self.bookkeeping.decided(request.request_id, decision)
             first, move = await self._first_response_or_move(request, decision, tries, call, placed_at)
             if move is not None:
                 tries.moves.append(move)
