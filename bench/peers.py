@@ -60,8 +60,9 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict:
-    """Burst tok/s from the median makespan; single-stream tok/s from the median run time."""
+def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict],
+             prefill_runs: dict[str, list[float]]) -> dict:
+    """Burst tok/s from the median makespan; single-stream and prefill tok/s from the median run times."""
     expected_burst = len(job["bursts"][0]) * job["max_new_tokens"]
     for run in burst_runs:
         if run["output_tokens"] != expected_burst:
@@ -72,8 +73,7 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict
     burst = _median([r["makespan_s"] for r in burst_runs])
     ttfts = [r["ttft_s"] for r in single_runs if r["ttft_s"] is not None]
     single = _median([r["seconds"] for r in single_runs])
-    prefill = {f"prefill_{length}_tok_s": length / _median(seconds)
-               for length, seconds in job_prefill_seconds(job, single_runs)}
+    prefill = {f"prefill_{length}_tok_s": int(length) / _median(seconds) for length, seconds in prefill_runs.items()}
     return {
         "burst_output_tok_s": expected_burst / burst,
         "burst_makespan_s": burst,
@@ -83,15 +83,10 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict]) -> dict
         "single_stream_runs_s": [r["seconds"] for r in single_runs],
         "single_stream_ttft_s": _median(ttfts) if ttfts else None,
         **prefill,
+        "prefill_runs_s": prefill_runs,
         # The greedy tokens of the first single-stream prompt, to check that every system runs the same model.
         "single_stream_first_tokens": single_runs[0]["tokens"],
     }
-
-
-def job_prefill_seconds(job: dict, single_runs: list[dict]) -> list[tuple[int, list[float]]]:
-    """(prompt length, seconds to the first token of each run) of the prefill runs, which the workers record
-    in the first single-stream run's ``prefill_s``."""
-    return [(int(length), seconds) for length, seconds in single_runs[0].get("prefill_s", {}).items()]
 
 
 def _save_logprobs(job: dict, system: str, precision: str, logprobs) -> None:
@@ -162,19 +157,19 @@ def run_tandem(job: dict, precision: str) -> dict:
         bursts = [await bench_engine.tandem_burst(runner, batch, job["max_new_tokens"], f"burst{r}")
                   for r, batch in enumerate(job["bursts"])]
         singles = [await single(prompt, f"single{r}") for r, prompt in enumerate(job["singles"])]
-        singles[0]["prefill_s"] = {length: [(await single(prompt, f"prefill{length}-{r}", 1))["ttft_s"]
-                                            for r, prompt in enumerate(prompts)]
-                                   for length, prompts in job["prefill_prompts"].items()}
-        return bursts, singles
+        prefills = {length: [(await single(prompt, f"prefill{length}-{r}", 1))["ttft_s"]
+                             for r, prompt in enumerate(prompts)]
+                    for length, prompts in job["prefill_prompts"].items()}
+        return bursts, singles, prefills
 
     runner.start()
     try:
-        bursts, singles = asyncio.run(go())
+        bursts, singles, prefills = asyncio.run(go())
     finally:
         runner.stop()
     if options.get("decode_weights"):  # after the timed runs: this thread's OpenMP team would compete with them
         _save_logprobs(job, "tandem", precision, teacher_forced_logprobs(engine.executor, job["quality_tokens"]))
-    result = _summary(job, bursts, singles)
+    result = _summary(job, bursts, singles, prefills)
     result["startup_s"] = startup
     result["settings"] = {**{k: str(v) for k, v in options.items()}, "max_active_requests": num_requests,
                           "max_num_batched_tokens": 512, "torch_threads": torch.get_num_threads(),
@@ -223,9 +218,9 @@ def run_vllm(job: dict, precision: str) -> dict:
         tokens = list(outputs[0].outputs[0].token_ids)
         singles.append({"seconds": seconds, "ttft_s": ttft, "output_tokens": len(tokens), "tokens": tokens})
     first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    singles[0]["prefill_s"] = {length: [generate([prompt], first_token)[0] for prompt in prompts]
-                               for length, prompts in job["prefill_prompts"].items()}
-    result = _summary(job, bursts, singles)
+    prefills = {length: [generate([prompt], first_token)[0] for prompt in prompts]
+                for length, prompts in job["prefill_prompts"].items()}
+    result = _summary(job, bursts, singles, prefills)
     result["startup_s"] = startup
     result["settings"] = {"dtype": precision, "enable_prefix_caching": True, "max_model_len": CONTEXT,
                           "max_num_seqs": max(num_requests, 8), **vllm_environment(job["threads"]),
@@ -288,14 +283,14 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
         run = one(prompt, start)
         singles.append({"seconds": time.perf_counter() - start, "ttft_s": run["ttft_s"],
                         "output_tokens": len(run["tokens"]), "tokens": run["tokens"]})
-    singles[0]["prefill_s"] = {}
+    prefills: dict[str, list[float]] = {}
     for length, prompts in job["prefill_prompts"].items():
         for prompt in prompts:
             llm.reset()
             start = time.perf_counter()
             next(llm.generate(prompt, temp=0.0, top_k=1, reset=True))
-            singles[0]["prefill_s"].setdefault(length, []).append(time.perf_counter() - start)
-    result = _summary(job, bursts, singles)
+            prefills.setdefault(length, []).append(time.perf_counter() - start)
+    result = _summary(job, bursts, singles, prefills)
     result["startup_s"] = startup
     result["settings"] = {"gguf": path, "n_threads": n_threads, "n_threads_batch": n_threads, "n_ctx": CONTEXT,
                           "n_batch": 512, "prompt_tokens_reused_per_burst_request_min": min(reused)}
