@@ -206,7 +206,7 @@ class OpenAIFrontEnd:
         self._authorize(request)
         schema = ChatCompletionRequest if "messages" in await _json_object(request) else CompletionRequest
         body = await self._parse(request, schema)
-        prompt = (await self._prompt_ids(body))[0]  # of a batch of prompts, the first
+        prompt = (await self._prompt_ids(body, self._tool_use(body)))[0]  # of a batch of prompts, the first
         routed = await self._routed(body, prompt, self._request_id(request))
         span = self._span(request, "POST /tandem/v1/explain")
         try:
@@ -236,11 +236,21 @@ class OpenAIFrontEnd:
 
     # --- the request path -----------------------------------------------------------------------------
 
-    async def _prompt_ids(self, body: ChatCompletionRequest | CompletionRequest) -> list[list[int]]:
-        """The token ids of each prompt: the chat's one, or each of the completion's."""
+    def _tool_use(self, body: ChatCompletionRequest | CompletionRequest) -> ToolUse | None:
+        """A chat's tools and how the model may use them, built once per request; None for a completion."""
+        if not isinstance(body, ChatCompletionRequest):
+            return None
+        try:
+            return body.tool_use(self.renders_tools)
+        except InvalidRequestError as exc:
+            raise HttpError.of(exc) from None
+
+    async def _prompt_ids(self, body: ChatCompletionRequest | CompletionRequest,
+                          tool_use: ToolUse | None) -> list[list[int]]:
+        """The token ids of each prompt: the chat's one (its tools as ``tool_use`` has them), or each of the
+        completion's."""
         if isinstance(body, ChatCompletionRequest):
             try:
-                tool_use = body.tool_use(self.renders_tools)
                 return [_truncated(body, await encode_chat(self.tokenizer, body.conversation(tool_use), "messages",
                                                            body.add_generation_prompt, body.continue_final_message,
                                                            body.chat_template_kwargs, tool_use.template_tools()))]
@@ -311,7 +321,8 @@ class OpenAIFrontEnd:
 
     async def _generate(self, request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
-        prompts = await self._prompt_ids(body)
+        tool_use = self._tool_use(body)
+        prompts = await self._prompt_ids(body, tool_use)
         request_id = self._request_id(request)
         deadline = _deadline(request)
         routed = [await self._routed(body, prompt, request_id if len(prompts) == 1 else f"{request_id}-{index}",
@@ -319,7 +330,6 @@ class OpenAIFrontEnd:
         span = self._span(request, f"POST {request.url.path}")
         generations = await self._started(routed, request_id, span)
         echoed = self._echoed(body, prompts)
-        tool_use = body.tool_use(self.renders_tools) if chat else None
         chunks = Chunks(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", body.model, chat, body.include_usage,
                         body.continuous_usage, sum(map(len, prompts)), self._shown_token(body), body.n,
                         tool_use if tool_use is not None and tool_use.active else None)
