@@ -6,6 +6,7 @@ same of both: the router relies on nothing else.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import random
 import re
@@ -117,8 +118,9 @@ def test_cancel_mid_stream_frees_everything(worker):
                                                            max_new_tokens=LONG_OUTPUT, sampling=GREEDY,
                                                            ignore_eos=True), timeout=60)
     next(call)
-    assert wait_until(lambda: estimate(worker).num_running == 1)
-    call.cancel()
+    with stalled(worker):  # vLLM's engine core, stopped once the stream has begun, cannot finish it meanwhile
+        assert estimate(worker).num_running == 1
+        call.cancel()
     state = idle(worker)
     assert state.pending_decode_tokens == 0 and state.pending_prefill_tokens == 0
     assert len(generate(worker, prompt_token_ids=ids([1, 2, 3]), max_new_tokens=3, ignore_eos=True)) > 0
@@ -315,7 +317,15 @@ def test_the_queue_and_budgets_are_reported_per_request(worker):
                                  timeout=60)
              for i, p in enumerate(prompts)]
     try:
-        state = wait_until(lambda: (s := estimate(worker)).num_running == 4 and s.num_waiting == 2 and s)
+        with concurrent.futures.ThreadPoolExecutor(len(calls)) as readers:
+            first_outputs = concurrent.futures.as_completed([readers.submit(next, call) for call in calls], timeout=60)
+            for _ in range(4):  # the four admitted requests have streamed a token; the other two wait behind them
+                next(first_outputs).result()
+            with stalled(worker):
+                state = estimate(worker)
+            for call in calls:  # ends the two readers still waiting
+                call.cancel()
+        assert (state.num_running, state.num_waiting) == (4, 2)
         assert {r.request_id for r in state.requests} == {f"load-{i}" for i in range(6)}
         assert [r.running for r in state.requests] == [True] * 4 + [False] * 2
         assert all(0 < r.decode_tokens <= LONG_OUTPUT for r in state.requests)
