@@ -15,7 +15,7 @@ from tests.engine.helpers import hf_greedy
 from tests.integration.engines import BLOCK_SIZE, LONG_OUTPUT, running_engine_worker
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (HARNESS, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
-                                      serving_router, stalled, wait_until, worker_load)
+                                      serving_router, stalled, wait_until)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -118,11 +118,11 @@ def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str,
 @contextlib.contextmanager
 def blocking(worker, request_id: str, max_new_tokens: int):
     """A blocker on ``worker`` (see ``occupy``), cancelled when the block ends however it ends."""
-    call = occupy(worker, request_id, max_new_tokens)
+    blocker = occupy(worker, request_id, max_new_tokens)
     try:
-        yield call
+        yield blocker
     finally:
-        call.cancel()
+        blocker.cancel()
 
 
 def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
@@ -130,8 +130,8 @@ def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(r
     # The Tandem blocker's 6000 steps of 50 ms outlast the vLLM blocker's on any machine, so the request first
     # waits on vLLM.
     with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, \
-            blocking(workers["gpu"], "vllm-blocker", LONG_OUTPUT):
-        wait_until(lambda: worker_load(workers["gpu"]) == (1, 0))
+            blocking(workers["gpu"], "vllm-blocker", LONG_OUTPUT) as vllm_blocker:
+        assert vllm_blocker.streaming.wait(60)
         with stalled(workers["gpu"]):
             wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
             moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
