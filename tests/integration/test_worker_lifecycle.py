@@ -57,7 +57,8 @@ def test_health_through_startup_and_sigterm_drain(tiny_llama, tmp_path):
 
 
 def test_engine_failure_ends_streams_and_turns_health_off(tiny_llama, tmp_path):
-    worker = harness_worker(tiny_llama, tmp_path, HARNESS_FAIL_AFTER_STEPS=40)
+    # 40 steps of 20 ms: all three requests are in flight when the fault comes, however loaded the machine
+    worker = harness_worker(tiny_llama, tmp_path, HARNESS_FAIL_AFTER_STEPS=40, HARNESS_STEP_DELAY_S=0.02)
     try:
         worker.wait_for_health(SERVING)
         streams = [worker.stub.Generate(long_request(), timeout=60) for _ in range(3)]
