@@ -108,10 +108,17 @@ def _load_bench_engine():
 TANDEM_PRECISIONS = {
     "float32": {"dtype": "float32", "decode_weights": "float32"},
     "bfloat16": {"dtype": "bfloat16"},
-    "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16"},
-    "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8"},
+    "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16", "batched_weights": "float32"},
+    "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8", "batched_weights": "float32"},
+    "float32+int8-decode+bf16-batched": {"dtype": "float32", "decode_weights": "int8", "batched_weights": "bfloat16"},
 }
-DEFAULT_PRECISION = "float32+int8-decode"  # the workers' defaults: float32 with DEFAULT_DECODE_WEIGHTS
+
+
+def default_precision() -> str:
+    """The workers' defaults on this CPU: int8 decode weights, and bfloat16 batched ones where it is native."""
+    from tandem.engine.model.runner import native_bfloat16
+
+    return "float32+int8-decode+bf16-batched" if native_bfloat16() else "float32+int8-decode"
 # Each workload's throughput in a result, and its name in the speed-ups.
 WORKLOADS = (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream"),
              *((f"prefill_{length}_tok_s", f"prefill_{length}") for length in PREFILL_LENGTHS))
@@ -482,7 +489,8 @@ def speedups(results: dict) -> dict:
     """Tandem's best against each peer's best (per workload), Tandem's default against each peer's best,
     and precision against matching precision."""
     tandem = results.get("tandem", {})
-    default = tandem.get(DEFAULT_PRECISION)
+    default_name = default_precision()
+    default = tandem.get(default_name)
     out: dict = {}
     for peer in ("vllm_cpu", "llama_cpp"):
         if peer not in results or not tandem:
@@ -498,7 +506,7 @@ def speedups(results: dict) -> dict:
         if entry:
             out[f"vs_{peer}"] = entry
         if against_default:
-            out.setdefault("default_precision", {"tandem": DEFAULT_PRECISION})[f"vs_{peer}"] = against_default
+            out.setdefault("default_precision", {"tandem": default_name})[f"vs_{peer}"] = against_default
     matching: dict = {}
     pairs = [("float32", "vllm_cpu", "float32"), ("bfloat16", "vllm_cpu", "bfloat16"),
              ("float32", "llama_cpp", "F32"), ("float32+f16-decode", "llama_cpp", "F16"),

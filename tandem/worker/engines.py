@@ -91,7 +91,8 @@ def _load_tandem(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, 
     from tandem.worker import metrics
 
     engine = build_engine(str(model_dir), config.device, config.dtype, config.scheduler, config.cache,
-                          decode_weights=config.decode_weights, cuda_graphs=config.cuda_graphs)
+                          decode_weights=config.decode_weights, cuda_graphs=config.cuda_graphs,
+                          batched_weights=config.batched_weights)
     runner = engine.executor
     identity = WorkerIdentity(
         **facts, engine="tandem", engine_version=version("tandem"), dtype=str(runner.dtype).removeprefix("torch."),

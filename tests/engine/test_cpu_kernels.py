@@ -112,6 +112,33 @@ def test_without_a_low_precision_copy_every_step_reads_the_fp32_weight(kernels):
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to_the_decode_copy(kernels):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    packed = PackedLinear(linear, kernels, torch.int8, torch.bfloat16)
+    assert packed.packed_weight.dtype == torch.bfloat16
+    many, few = torch.randn(FEW_ROWS + 1, 64), torch.randn(FEW_ROWS, 64)
+    output = packed(many)
+    assert output.dtype == torch.float32
+    torch.testing.assert_close(output, linear(many), rtol=2e-2, atol=2e-2)  # bfloat16's 8-bit mantissa
+    torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8)(few), rtol=0, atol=0)
+
+
+def test_auto_batched_weights_are_bfloat16_only_where_native_and_never_beside_float32_decode_weights(tiny_model):
+    from tandem.engine.model.runner import native_bfloat16
+
+    def batched(decode_weights: str, batched_weights: str) -> torch.dtype:
+        return build_engine(str(tiny_model), "cpu", "float32", calibrate=False, decode_weights=decode_weights,
+                            batched_weights=batched_weights).executor.batched_dtype
+
+    assert batched("int8", "auto") == (torch.bfloat16 if native_bfloat16() else torch.float32)
+    assert batched("float32", "auto") == torch.float32
+    assert batched("float32", "bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="batched_weights must be one of auto, bfloat16, float32"):
+        batched("int8", "float16")
+
+
 @pytest.fixture
 def fresh_load():
     cpu_kernels.load.cache_clear()

@@ -269,12 +269,14 @@ class CausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None, decode_dtype: torch.dtype | None) -> None:
-        """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN, and, with
-        ``kernels`` that take this model's head layout, run norms, rotary embeddings, cache writes,
-        activations and decode attention (the runner then passes block tables) through them, and, with a
-        ``decode_dtype`` (float16 or int8), the linears of steps of few rows, on a copy of the weights in
-        it; then a step of decodes alone runs all the decoder layers in one kernel call."""
+    def use_cpu_kernels(self, kernels: CpuKernels | None, decode_dtype: torch.dtype | None,
+                        batched_dtype: torch.dtype = torch.float32) -> None:
+        """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN in
+        ``batched_dtype`` (float32 or bfloat16), and, with ``kernels`` that take this model's head layout, run
+        norms, rotary embeddings, cache writes, activations and decode attention (the runner then passes block
+        tables) through them, and, with a ``decode_dtype`` (float16 or int8), the linears of steps of few rows,
+        on a copy of the weights in it; then a step of decodes alone runs all the decoder layers in one kernel
+        call."""
         attention = self.layers[0].self_attn
         usable = kernels is not None and kernels.supports_attention(
             attention.num_heads, attention.num_kv_heads, attention.head_dim)
@@ -282,7 +284,7 @@ class CausalLM(nn.Module):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
                     packs = usable and decode_dtype is not None and kernels.packs(child.in_features, decode_dtype)
-                    setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype))
+                    setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype, batched_dtype))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
         linears = [dict(zip(DecodeLayers.LINEARS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -314,21 +316,23 @@ FEW_ROWS = 32
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight oneDNN reordered once, for CPU matmuls over few rows.
+    """A linear layer whose weight oneDNN reordered once, for CPU matmuls.
 
     A decode step multiplies every weight matrix by only a handful of rows. Plain BLAS repacks the
     weight on every call, which costs about as much as the multiply; the pre-reordered weight makes
-    these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. With
-    ``decode_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a copy of the weight in
-    ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their ``linear`` instead, in float32
-    arithmetic.
+    these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. The reordered
+    weight is float32, or ``batched_dtype`` bfloat16, multiplied by the rows rounded to bfloat16 with
+    float32 accumulation. With ``decode_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a copy of
+    the weight in ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their
+    ``linear`` instead, in float32 arithmetic.
     """
 
     def __init__(self, linear: nn.Linear, decode_kernels: CpuKernels | None = None,
-                 decode_dtype: torch.dtype | None = torch.float16):
+                 decode_dtype: torch.dtype | None = torch.float16, batched_dtype: torch.dtype = torch.float32):
         super().__init__()
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+        self.batched_dtype = batched_dtype
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(batched_dtype), 8)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = linear.out_features
         self.decode_kernels = decode_kernels if decode_dtype is not None else None
@@ -337,4 +341,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decode_kernels is not None and x.shape[0] <= FEW_ROWS:
             return self.decode_kernels.linear(x, self.decode_weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.batched_dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.batched_dtype), self.packed_weight, None, "none", [], "")
+        return y.float() if self.bias is None else y.float() + self.bias

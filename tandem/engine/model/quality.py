@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.model.cpu_kernels import BlockTables
-from tandem.engine.model.llama import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -59,23 +57,15 @@ class Quality:
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(runner, tokens: list[int]) -> torch.Tensor:
-    """Log-probabilities [len(tokens) - 1, vocab] of the token after each position of ``tokens``, each
-    position computed in a step of its own over the cached context before it: the shape of a single
-    stream's decode steps, so a CPU model runs the very kernels its decode steps run.
+def teacher_forced_logprobs(runner, tokens: list[int], rows_per_step: int = 1) -> torch.Tensor:
+    """Log-probabilities [len(tokens) - 1, vocab] of the token after each position of ``tokens``, computed
+    ``rows_per_step`` positions a step over the cached context before them: one, the shape of a single stream's
+    decode steps; more, that of prefill chunks. A CPU model runs the very kernels its steps of that shape run.
 
     ``runner``: a ``ModelRunner`` with at least ``len(tokens)`` KV slots, whose cache it overwrites.
     """
-    if len(tokens) > runner.num_kv_blocks * runner.block_size:
-        raise ValueError(f"{len(tokens)} tokens do not fit the runner's {runner.num_kv_blocks} KV blocks")
-    blocks = torch.arange(runner.num_kv_blocks)  # position p in slot p
     rows = []
-    for position in range(len(tokens) - 1):
-        meta = AttentionMetadata(slot_mapping=torch.tensor([position]), num_decodes=1,
-                                 decode_slots=torch.arange(position + 1),
-                                 decode_mask=torch.ones(1, 1, 1, position + 1, dtype=torch.bool), prefills=[],
-                                 decode_block_tables=BlockTables([blocks], [position + 1], runner.block_size))
-        logits = runner.model(torch.tensor([tokens[position]]), torch.tensor([position]), runner.k_cache,
-                              runner.v_cache, meta, torch.tensor([0]), runner.cos_table, runner.sin_table)
-        rows.append(torch.log_softmax(logits[0].float(), dim=-1))
-    return torch.stack(rows)
+    for start in range(0, len(tokens) - 1, rows_per_step):
+        count = min(rows_per_step, len(tokens) - 1 - start)
+        rows.append(torch.log_softmax(runner.teacher_forced_logits(tokens, start, count).float(), dim=-1))
+    return torch.cat(rows)

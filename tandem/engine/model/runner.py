@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine.config import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, CacheConfig
+from tandem.engine.config import (BATCHED_WEIGHTS, DECODE_WEIGHTS, DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS,
+                                  CacheConfig)
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.decode_graphs import DecodeGraphs
@@ -36,6 +37,11 @@ def resolve_dtype(device: torch.device, dtype: str | None) -> torch.dtype:
     if device.type == "mps":
         return torch.float16
     return torch.float32
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 class ModelRunner:
@@ -67,6 +73,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         decode_weights: str = DEFAULT_DECODE_WEIGHTS,
         cuda_graphs: bool | None = None,
+        batched_weights: str = DEFAULT_BATCHED_WEIGHTS,
     ):
         from transformers import AutoConfig
 
@@ -85,11 +92,16 @@ class ModelRunner:
         self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
         if decode_weights not in DECODE_WEIGHTS:
             raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}; got {decode_weights!r}")
-        self.decode_dtype = self.dtype
+        if batched_weights not in BATCHED_WEIGHTS:
+            raise ValueError(f"batched_weights must be one of {', '.join(BATCHED_WEIGHTS)}; got {batched_weights!r}")
+        self.decode_dtype = self.batched_dtype = self.dtype
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
             packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
-            self.model.use_cpu_kernels(kernels, packed_dtype)
+            if batched_weights == "auto":
+                batched_weights = "bfloat16" if native_bfloat16() and decode_weights != "float32" else "float32"
+            self.batched_dtype = getattr(torch, batched_weights)
+            self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype)
             if self.model.uses_cpu_kernels and packed_dtype is not None:
                 self.decode_dtype = packed_dtype
         self.vocab_size = config.vocab_size
@@ -109,8 +121,9 @@ class ModelRunner:
         self._mask_timer = MaskTimer()
         self.decode_graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, self.cos_table, self.sin_table,
                                           num_slots - 1, self.max_model_len) if cuda_graphs else None
-        logger.info("model %s on %s (%s, %s weights for decode steps): %d KV blocks of %d tokens", model_dir, self.device,
-                    self.dtype, self.decode_dtype, self.num_kv_blocks, block_size)
+        logger.info("model %s on %s (%s, %s weights for decode steps, %s for batched ones): %d KV blocks of %d tokens",
+                    model_dir, self.device, self.dtype, self.decode_dtype, self.batched_dtype, self.num_kv_blocks,
+                    block_size)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[Sample | None]:
@@ -156,7 +169,8 @@ class ModelRunner:
             meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
         token_start = len(decodes)
         for item in prefills:
-            meta.prefills.append(self._prefill_chunk(item, token_start))
+            meta.prefills.append(self._prefill_chunk(token_start, item.start, item.num_new_tokens,
+                                                     item.request.block_ids))
             token_start += item.num_new_tokens
 
         rows = [sample_rows[id(item)] for item in items if item.samples]
@@ -245,19 +259,38 @@ class ModelRunner:
         self._block_rows = rows
         return BlockTables([row.ids for row in rows.values()], [item.start + 1 for item in decodes], self.block_size)
 
-    def _prefill_chunk(self, item: ScheduledRequest, token_start: int) -> PrefillChunk:
-        if item.start == 0:
-            return PrefillChunk(token_start, item.num_new_tokens, None, None)
-        length = item.start + item.num_new_tokens
-        query_positions = torch.arange(item.start, length)
+    def _prefill_chunk(self, token_start: int, start: int, count: int, block_ids: list[int]) -> PrefillChunk:
+        """The chunk of ``count`` prompt tokens from position ``start`` that sits at row ``token_start`` of the
+        step, attending to the positions before it in ``block_ids``."""
+        if start == 0:
+            return PrefillChunk(token_start, count, None, None)
+        length = start + count
+        query_positions = torch.arange(start, length)
         mask = torch.arange(length)[None, :] <= query_positions[:, None]
         device = self.torch_device
-        return PrefillChunk(
-            token_start,
-            item.num_new_tokens,
-            self._context_slots(item.request.block_ids, length).to(device),
-            mask[None, None].to(device),
-        )
+        return PrefillChunk(token_start, count, self._context_slots(block_ids, length).to(device),
+                            mask[None, None].to(device))
+
+    @torch.inference_mode()
+    def teacher_forced_logits(self, tokens: list[int], start: int, count: int) -> torch.Tensor:
+        """Logits [count, vocab] after each of ``tokens[start:start + count]``, in one step over ``tokens[:start]``,
+        which earlier calls put in the cache (position p in slot p, overwriting what was there). One row runs
+        as a decode step, more as a prefill chunk: the kernels a worker's steps of that shape run."""
+        if start + count > self.num_kv_blocks * self.block_size:
+            raise ValueError(f"{start + count} tokens do not fit the runner's {self.num_kv_blocks} KV blocks")
+        device, block_ids = self.torch_device, list(range(self.num_kv_blocks))
+        positions = torch.arange(start, start + count, device=device)
+        meta = AttentionMetadata(slot_mapping=positions, num_decodes=int(count == 1), decode_slots=None,
+                                 decode_mask=None, prefills=[])
+        if count > 1:
+            meta.prefills.append(self._prefill_chunk(0, start, count, block_ids))
+        elif self.model.uses_cpu_kernels:
+            meta.decode_block_tables = BlockTables([torch.tensor(block_ids)], [start + 1], self.block_size)
+        else:
+            meta.decode_slots = torch.arange(start + 1, device=device)
+            meta.decode_mask = torch.ones(1, 1, 1, start + 1, dtype=torch.bool, device=device)
+        return self.model(torch.tensor(tokens[start:start + count], device=device), positions, self.k_cache,
+                          self.v_cache, meta, torch.arange(count, device=device), self.cos_table, self.sin_table)
 
 
 @dataclass
