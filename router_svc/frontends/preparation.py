@@ -89,7 +89,7 @@ class Preparation:
 
     def _check_vocabulary(self, field: str, token_ids) -> None:
         limits = self.model_limits()
-        if limits is not None and any(not 0 <= token < limits[1] for token in token_ids):
+        if limits is not None and token_ids and not (0 <= min(token_ids) and max(token_ids) < limits[1]):
             raise InvalidRequestError(field, f"token ids must lie in [0, {limits[1]})")
 
     def _budget(self, submission: Submission) -> int:
