@@ -6,7 +6,6 @@ same of both: the router relies on nothing else.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import random
 import re
@@ -114,12 +113,14 @@ def test_watch_state_sends_the_index_whole_then_what_changes(worker):
 
 
 def test_cancel_mid_stream_frees_everything(worker):
-    call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))),
-                                                           max_new_tokens=LONG_OUTPUT, sampling=GREEDY,
-                                                           ignore_eos=True), timeout=60)
-    next(call)
-    with stalled(worker):  # vLLM's engine core, stopped once the stream has begun, cannot finish it meanwhile
-        assert estimate(worker).num_running == 1
+    # vLLM's engine core, stopped before the request is sent and let run a few milliseconds at a time, cannot
+    # run it to its end (vLLM decodes ahead of the worker's delivery) before it is cancelled mid-stream.
+    with stalled(worker) as stall:
+        call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))),
+                                                               max_new_tokens=LONG_OUTPUT, sampling=GREEDY,
+                                                               ignore_eos=True), timeout=60)
+        # running, with tokens generated: the stream has begun
+        stall.step_until(lambda: (s := estimate(worker)).num_running == 1 and s.requests[0].decode_tokens < LONG_OUTPUT)
         call.cancel()
     state = idle(worker)
     assert state.pending_decode_tokens == 0 and state.pending_prefill_tokens == 0
@@ -312,20 +313,14 @@ def test_a_request_id_in_flight_cannot_be_reused(worker):
 
 def test_the_queue_and_budgets_are_reported_per_request(worker):
     prompts = [[random.Random(i).randrange(400) for _ in range(40)] for i in range(6)]
-    calls = [worker.stub.Generate(worker_pb2.GenerateRequest(request_id=f"load-{i}", prompt_token_ids=ids(p),
-                                                             max_new_tokens=LONG_OUTPUT, ignore_eos=True),
-                                 timeout=60)
-             for i, p in enumerate(prompts)]
+    calls = []
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(calls)) as readers:
-            first_outputs = concurrent.futures.as_completed([readers.submit(next, call) for call in calls], timeout=60)
-            for _ in range(4):  # the four admitted requests have streamed a token; the other two wait behind them
-                next(first_outputs).result()
-            with stalled(worker):
-                state = estimate(worker)
-            for call in calls:  # ends the two readers still waiting
-                call.cancel()
-        assert (state.num_running, state.num_waiting) == (4, 2)
+        with stalled(worker) as stall:  # vLLM's engine core, let run a few milliseconds at a time
+            for i, prompt in enumerate(prompts):
+                calls.append(worker.stub.Generate(worker_pb2.GenerateRequest(
+                    request_id=f"load-{i}", prompt_token_ids=ids(prompt), max_new_tokens=LONG_OUTPUT,
+                    ignore_eos=True), timeout=60))
+            state = stall.step_until(lambda: (s := estimate(worker)).num_running == 4 and s.num_waiting == 2 and s)
         assert {r.request_id for r in state.requests} == {f"load-{i}" for i in range(6)}
         assert [r.running for r in state.requests] == [True] * 4 + [False] * 2
         assert all(0 < r.decode_tokens <= LONG_OUTPUT for r in state.requests)

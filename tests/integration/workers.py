@@ -164,18 +164,43 @@ def alive(pid: int) -> bool:
         return False
 
 
+class Stall:
+    """The worker's child processes (a vLLM worker's engine core) stopped: its steps stall while the worker
+    itself still answers, as a busy accelerator would leave it."""
+
+    def __init__(self, worker: WorkerProcess):
+        self.children = descendants(worker.process.pid)
+
+    def signal(self, number: int) -> None:
+        for pid in self.children:
+            os.kill(pid, number)
+
+    def step_until(self, predicate, pulse_s: float = 0.005, timeout: float = 30.0):
+        """Let the children run for pulses of ``pulse_s`` until ``predicate`` holds with them stopped again (a
+        worker without children runs on its own); returns what ``predicate`` returned."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            settle = time.monotonic() + 0.2  # what the children sent before they stopped reaches the worker
+            while time.monotonic() < settle:
+                value = predicate()
+                if value:
+                    return value
+                time.sleep(0.02)
+            self.signal(signal.SIGCONT)
+            time.sleep(pulse_s)
+            self.signal(signal.SIGSTOP)
+        raise AssertionError("condition not reached")
+
+
 @contextlib.contextmanager
 def stalled(worker: WorkerProcess):
-    """The worker's child processes (a vLLM worker's engine core) stopped for the block: its steps stall while the
-    worker itself still answers, as a busy accelerator would leave it."""
-    children = descendants(worker.process.pid)
-    for pid in children:
-        os.kill(pid, signal.SIGSTOP)
+    """A ``Stall`` of the worker for the block."""
+    stall = Stall(worker)
+    stall.signal(signal.SIGSTOP)
     try:
-        yield
+        yield stall
     finally:
-        for pid in children:
-            os.kill(pid, signal.SIGCONT)
+        stall.signal(signal.SIGCONT)
 
 
 def scrape_metrics(process: ServiceProcess) -> dict[tuple[str, tuple], float]:
