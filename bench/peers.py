@@ -115,10 +115,14 @@ TANDEM_PRECISIONS = {
 
 
 def default_precision() -> str:
-    """The workers' defaults on this CPU: int8 decode weights, and bfloat16 batched ones where it is native."""
-    from tandem.engine.model.runner import native_bfloat16
+    """The workers' defaults on this CPU: their decode weights (int8), and their batched weights as resolved here."""
+    from tandem.engine.config import DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS
+    from tandem.engine.model.runner import resolved_batched_weights
 
-    return "float32+int8-decode+bf16-batched" if native_bfloat16() else "float32+int8-decode"
+    batched = resolved_batched_weights(DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS)
+    return "float32+int8-decode+bf16-batched" if batched == "bfloat16" else "float32+int8-decode"
+
+
 # Each workload's throughput in a result, and its name in the speed-ups.
 WORKLOADS = (("burst_output_tok_s", "burst"), ("single_stream_tok_s", "single_stream"),
              *((f"prefill_{length}_tok_s", f"prefill_{length}") for length in PREFILL_LENGTHS))

@@ -44,6 +44,14 @@ def native_bfloat16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def resolved_batched_weights(batched_weights: str, decode_weights: str) -> str:
+    """What ``batched_weights`` means on this CPU: "auto" is bfloat16 where it is native, unless the decode
+    weights are float32."""
+    if batched_weights != "auto":
+        return batched_weights
+    return "bfloat16" if native_bfloat16() and decode_weights != "float32" else "float32"
+
+
 class ModelRunner:
     """Runs scheduled steps of a Llama-family model over a paged KV cache.
 
@@ -98,9 +106,7 @@ class ModelRunner:
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
             packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
-            if batched_weights == "auto":
-                batched_weights = "bfloat16" if native_bfloat16() and decode_weights != "float32" else "float32"
-            self.batched_dtype = getattr(torch, batched_weights)
+            self.batched_dtype = getattr(torch, resolved_batched_weights(batched_weights, decode_weights))
             self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype)
             if self.model.uses_cpu_kernels and packed_dtype is not None:
                 self.decode_dtype = packed_dtype
