@@ -118,22 +118,24 @@ def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str,
 @contextlib.contextmanager
 def blocking(worker, request_id: str, max_new_tokens: int):
     """A blocker on ``worker`` (see ``occupy``), cancelled when the block ends however it ends."""
-    call = occupy(worker, request_id, max_new_tokens)
+    blocker = occupy(worker, request_id, max_new_tokens)
     try:
-        yield call
+        yield blocker
     finally:
-        call.cancel()
+        blocker.cancel()
 
 
 def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
     # The Tandem blocker's 6000 steps of 50 ms outlast the vLLM blocker's on any machine, so the request first
     # waits on vLLM.
-    with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, stalled(workers["gpu"]) as stall, \
-            blocking(workers["gpu"], "vllm-blocker", LONG_OUTPUT):
-        stall.step_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)})
-        moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
-        assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
+    with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, \
+            blocking(workers["gpu"], "vllm-blocker", LONG_OUTPUT) as vllm_blocker:
+        assert vllm_blocker.streaming.wait(60)
+        with stalled(workers["gpu"]):
+            wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
+            moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
+            assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
     assert_no_leaks(router, workers)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -94,14 +95,29 @@ def serving_router(router: RouterProcess, names: set[str]):
         router.close()
 
 
-def occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int):
-    """A long generation sent to the worker directly (the router does not know it); returns its call."""
+@dataclasses.dataclass
+class Blocker:
+    """A long generation sent to a worker directly (the router does not know it), read to its end by a thread."""
+    call: grpc.Call
+    streaming: threading.Event  # set once its first token has come: the worker runs it
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+def occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int) -> Blocker:
     call = worker.stub.Generate(worker_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=list(range(200, 220))),
         max_new_tokens=max_new_tokens, ignore_eos=True,
         sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=120)
-    threading.Thread(target=lambda: [None for _ in drained(call)], daemon=True).start()
-    return call
+    blocker = Blocker(call, threading.Event())
+
+    def drain():
+        for _ in drained(call):
+            blocker.streaming.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    return blocker
 
 
 def drained(call):
