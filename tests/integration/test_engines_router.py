@@ -15,7 +15,7 @@ from tests.engine.helpers import hf_greedy
 from tests.integration.engines import BLOCK_SIZE, LONG_OUTPUT, running_engine_worker
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (HARNESS, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
-                                      serving_router, stalled, wait_until)
+                                      serving_router, stalled, wait_for, wait_until)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -89,11 +89,15 @@ def replacing_stack(tiny_llama_64, tmp_path_factory):
             yield router, {"cpu": cpu, "gpu": gpu}
 
 
-def request_ids(worker) -> set[str]:
+def worker_requests(worker) -> list[common_pb2.RequestLoad]:
     call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
     state = next(call)
     call.cancel()
-    return {load.request_id for load in state.requests}
+    return list(state.requests)
+
+
+def request_ids(worker) -> set[str]:
+    return {load.request_id for load in worker_requests(worker)}
 
 
 def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str, free_target) -> None:
@@ -118,24 +122,42 @@ def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str,
 @contextlib.contextmanager
 def blocking(worker, request_id: str, max_new_tokens: int):
     """A blocker on ``worker`` (see ``occupy``), cancelled when the block ends however it ends."""
-    blocker = occupy(worker, request_id, max_new_tokens)
+    call = occupy(worker, request_id, max_new_tokens)
     try:
-        yield blocker
+        yield call
     finally:
-        blocker.cancel()
+        call.cancel()
+
+
+@contextlib.contextmanager
+def running_vllm_blocker(worker, stall):
+    """A blocker that vLLM runs with most of its tokens left, its engine core stopped: stepped until vLLM runs
+    it. A loaded machine can hold one step open long enough for vLLM to decode the blocker to its end; it is
+    then sent again."""
+
+    def running_or_spent():
+        loads = worker_requests(worker)
+        return "spent" if not loads else loads[0] if loads[0].running else None
+
+    for attempt in range(3):
+        with blocking(worker, f"vllm-blocker-{attempt}", LONG_OUTPUT):
+            wait_until(lambda: worker_requests(worker))
+            blocker = stall.step_until(running_or_spent)
+            if blocker != "spent" and blocker.decode_tokens > LONG_OUTPUT // 2:
+                yield
+                return
+    raise AssertionError("vLLM decoded each blocker too far before its engine core stopped")
 
 
 def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
     # The Tandem blocker's 6000 steps of 50 ms outlast the vLLM blocker's on any machine, so the request first
     # waits on vLLM.
-    with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, \
-            blocking(workers["gpu"], "vllm-blocker", LONG_OUTPUT) as vllm_blocker:
-        assert vllm_blocker.streaming.wait(60)
-        with stalled(workers["gpu"]):
-            wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (1, 0)}, 30)
-            moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
-            assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
+    with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, stalled(workers["gpu"]) as stall, \
+            running_vllm_blocker(workers["gpu"], stall):
+        wait_for(lambda: seen_by_router(router), {"cpu": (1, 0), "gpu": (1, 0)}, 30)
+        moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
+        assert "to-tandem" not in request_ids(workers["gpu"])  # withdrawn: aborted in vLLM
     assert_no_leaks(router, workers)
 
 
@@ -145,7 +167,7 @@ def test_a_request_waiting_on_the_tandem_worker_moves_to_the_freed_vllm_worker(r
         stall.enter_context(stalled(workers["gpu"]))
         vllm_blockers = [stall.enter_context(blocking(workers["gpu"], f"vllm-blocker-{i}", LONG_OUTPUT))
                          for i in range(12)]
-        wait_until(lambda: seen_by_router(router) == {"cpu": (1, 0), "gpu": (0, 12)}, 30)
+        wait_for(lambda: seen_by_router(router), {"cpu": (1, 0), "gpu": (0, 12)}, 30)
 
         def free_vllm():
             for call in vllm_blockers:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -95,29 +95,15 @@ def serving_router(router: RouterProcess, names: set[str]):
         router.close()
 
 
-@dataclasses.dataclass
-class Blocker:
-    """A long generation sent to a worker directly (the router does not know it), read to its end by a thread."""
-    call: grpc.Call
-    streaming: threading.Event  # set once its first token has come: the worker runs it
-
-    def cancel(self) -> None:
-        self.call.cancel()
-
-
-def occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int) -> Blocker:
+def occupy(worker: WorkerProcess, request_id: str, max_new_tokens: int) -> grpc.Call:
+    """A long generation sent to the worker directly (the router does not know it), read to its end by a
+    thread; returns its call."""
     call = worker.stub.Generate(worker_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=worker_pb2.TokenIds(ids=list(range(200, 220))),
         max_new_tokens=max_new_tokens, ignore_eos=True,
         sampling=common_pb2.SamplingParams(temperature=0.0)), timeout=120)
-    blocker = Blocker(call, threading.Event())
-
-    def drain():
-        for _ in drained(call):
-            blocker.streaming.set()
-
-    threading.Thread(target=drain, daemon=True).start()
-    return blocker
+    threading.Thread(target=lambda: [None for _ in drained(call)], daemon=True).start()
+    return call
 
 
 def drained(call):
@@ -175,6 +161,14 @@ class Stall:
         for pid in self.children:
             os.kill(pid, number)
 
+    def pulse(self, seconds: float) -> None:
+        """Let the children run for about ``seconds``: timed by a shell of its own, which a busy test process
+        (its threads, the GIL) cannot hold back while the children run on."""
+        if not self.children:
+            return time.sleep(seconds)
+        pids = " ".join(map(str, self.children))
+        subprocess.run(["sh", "-c", f"kill -CONT {pids}; sleep {seconds}; kill -STOP {pids}"], check=True)
+
     def step_until(self, predicate, pulse_s: float = 0.005, timeout: float = 30.0):
         """Let the children run for pulses of ``pulse_s`` until ``predicate`` holds with them stopped again (a
         worker without children runs on its own); returns what ``predicate`` returned."""
@@ -186,9 +180,7 @@ class Stall:
                 if value:
                     return value
                 time.sleep(0.02)
-            self.signal(signal.SIGCONT)
-            time.sleep(pulse_s)
-            self.signal(signal.SIGSTOP)
+            self.pulse(pulse_s)
         raise AssertionError("condition not reached")
 
 
@@ -227,3 +219,12 @@ def wait_until(predicate, timeout: float = 15.0):
             return value
         time.sleep(0.02)
     raise AssertionError("condition not reached")
+
+
+def wait_for(get, expected, timeout: float = 15.0) -> None:
+    """Poll ``get()`` until it returns ``expected``; fail after ``timeout``, naming what it returned last."""
+    deadline = time.monotonic() + timeout
+    while (value := get()) != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"expected {expected!r}, last saw {value!r}")
+        time.sleep(0.02)
