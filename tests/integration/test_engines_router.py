@@ -15,7 +15,8 @@ from tests.engine.helpers import hf_greedy
 from tests.integration.engines import BLOCK_SIZE, LONG_OUTPUT, running_engine_worker
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (HARNESS, RouterProcess, WorkerProcess, healthy, occupy, seen_by_router,
-                                      serving_router, stalled, wait_for, wait_until)
+                                      serving_router, stalled, wait_for, wait_until,
+                                      worker_state)
 
 GREEDY = common_pb2.SamplingParams(temperature=0)
 
@@ -89,15 +90,8 @@ def replacing_stack(tiny_llama_64, tmp_path_factory):
             yield router, {"cpu": cpu, "gpu": gpu}
 
 
-def worker_requests(worker) -> list[common_pb2.RequestLoad]:
-    call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
-    state = next(call)
-    call.cancel()
-    return list(state.requests)
-
-
 def request_ids(worker) -> set[str]:
-    return {load.request_id for load in worker_requests(worker)}
+    return {load.request_id for load in worker_state(worker).requests}
 
 
 def moved_once(router, tiny_llama_64, request_id: str, source: str, target: str, free_target) -> None:
@@ -136,12 +130,12 @@ def running_vllm_blocker(worker, stall):
     then sent again."""
 
     def running_or_spent():
-        loads = worker_requests(worker)
+        loads = worker_state(worker).requests
         return "spent" if not loads else loads[0] if loads[0].running else None
 
     for attempt in range(3):
         with blocking(worker, f"vllm-blocker-{attempt}", LONG_OUTPUT):
-            wait_until(lambda: worker_requests(worker))
+            wait_until(lambda: worker_state(worker).requests)
             blocker = stall.step_until(running_or_spent)
             if blocker != "spent" and blocker.decode_tokens > LONG_OUTPUT // 2:
                 yield

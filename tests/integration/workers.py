@@ -113,11 +113,17 @@ def drained(call):
         return
 
 
-def worker_load(worker: WorkerProcess) -> tuple[int, int]:
-    """(running, waiting) requests on the worker, from its state snapshot (asking no Estimate)."""
+def worker_state(worker: WorkerProcess) -> common_pb2.BackendState:
+    """The worker's state snapshot, the first message of WatchState (asking no Estimate)."""
     call = worker.stub.WatchState(worker_pb2.WatchStateRequest(), timeout=5)
     state = next(call)
     call.cancel()
+    return state
+
+
+def worker_load(worker: WorkerProcess) -> tuple[int, int]:
+    """(running, waiting) requests on the worker, from its state snapshot."""
+    state = worker_state(worker)
     return state.num_running, state.num_waiting
 
 
