@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 from router_svc import metrics
 from router_svc.output_lengths import OutputLengths
@@ -21,36 +20,68 @@ class Bookkeeping:
     def __init__(self, output_lengths: OutputLengths):
         self.output_lengths = output_lengths
 
-    def decided(self, request_id: str, decision: RoutingDecision) -> None:
-        decision_log.info(json.dumps(decision.log_record(request_id)))
-        metrics.record_decision(decision)
+    def attempt(self, request, decision: RoutingDecision, span, started: float) -> "AttemptRecord":
+        """The record of one try of ``request`` on the worker ``decision`` chose; ``started``: when the
+        request arrived (``time.monotonic()``)."""
+        return AttemptRecord(self.output_lengths, request, decision, span, started)
 
-    def moved(self, span, request_id: str, move: Move) -> None:
+
+class AttemptRecord:
+    """What is recorded about one try on one worker. The decision is logged with the first thing that
+    happens after it goes out (a response, a move or the end of the try), and each response is recorded
+    once it has been passed on, so nothing here runs before the first token reaches the front end."""
+
+    def __init__(self, output_lengths: OutputLengths, request, decision: RoutingDecision, span, started: float):
+        self.output_lengths = output_lengths
+        self.request = request
+        self.decision = decision
+        self.span = span
+        self.started = started
+        self.streamed_tokens = 0
+        self._decision_logged = False
+
+    def streamed(self, response: worker_pb2.GenerateResponse, received: float) -> None:
+        """A response of the worker's stream, received at ``received`` and passed on since."""
+        self._log_decision()
+        request = self.request
+        if response.token_ids and not self.streamed_tokens:
+            metrics.TTFT.labels(request.frontend).observe(received - self.started)
+        self.streamed_tokens += len(response.token_ids)
+        if response.HasField("result"):
+            result = response.result
+            self.span.set_attributes({
+                "gen_ai.usage.output_tokens": result.usage.output_tokens,
+                "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(result.finish_reason)
+                                                   .removeprefix("FINISH_REASON_").lower()],
+            })
+            metrics.E2E.labels(request.frontend).observe(received - self.started)
+            self.output_lengths.observe(request.length_key, result.usage.output_tokens, request.max_new_tokens)
+
+    def moved(self, move: Move) -> None:
+        self._log_decision()
+        request_id = self.request.request_id
         logger.info("request %s moves from %s to %s before its first token: %s", request_id, move.from_worker,
                     move.to_worker, move.reason)
         decision_log.info(json.dumps({"event": "move", "request_id": request_id, "from": move.from_worker,
                                       "to": move.to_worker, "cause": move.cause, "reason": move.reason,
                                       "from_s": move.from_s, "to_s": move.to_s}))
-        span.add_event("tandem.routing.moved", {"tandem.routing.moved_from": move.from_worker,
-                                                "tandem.routing.moved_to": move.to_worker,
-                                                "tandem.routing.move_cause": move.cause,
-                                                "tandem.routing.move_reason": move.reason})
+        self.span.add_event("tandem.routing.moved", {"tandem.routing.moved_from": move.from_worker,
+                                                     "tandem.routing.moved_to": move.to_worker,
+                                                     "tandem.routing.move_cause": move.cause,
+                                                     "tandem.routing.move_reason": move.reason})
         metrics.ROUTING_MOVES.labels(move.from_worker, move.to_worker, move.cause).inc()
 
-    def failed_over(self, worker: str, failure: Exception) -> None:
+    def failed_over(self, failure: Exception) -> None:
+        self._log_decision()
+        worker = self.decision.chosen_worker
         logger.warning("worker %s failed before the first token (%s); failing over", worker, failure)
         metrics.ROUTING_FAILOVERS.labels(worker).inc()
 
-    def streamed(self, request, span, response: worker_pb2.GenerateResponse, started: float, first: bool) -> None:
-        """One response of the worker's stream; ``first``: no token was streamed before it."""
-        if first and response.token_ids:
-            metrics.TTFT.labels(request.frontend).observe(time.monotonic() - started)
-        if response.HasField("result"):
-            result = response.result
-            span.set_attributes({
-                "gen_ai.usage.output_tokens": result.usage.output_tokens,
-                "gen_ai.response.finish_reasons": [common_pb2.FinishReason.Name(result.finish_reason)
-                                                   .removeprefix("FINISH_REASON_").lower()],
-            })
-            metrics.E2E.labels(request.frontend).observe(time.monotonic() - started)
-            self.output_lengths.observe(request.length_key, result.usage.output_tokens, request.max_new_tokens)
+    def ended(self) -> None:
+        self._log_decision()
+
+    def _log_decision(self) -> None:
+        if not self._decision_logged:
+            self._decision_logged = True
+            decision_log.info(json.dumps(self.decision.log_record(self.request.request_id)))
+            metrics.record_decision(self.decision)

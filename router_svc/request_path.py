@@ -176,29 +176,27 @@ class Router:
                         request.max_new_tokens * request.samples, request.constrained)
         call = worker.generate(request.worker_request, _remaining(request.deadline), span)
         placed_at = time.monotonic()
-        streamed = 0
+        record = self.bookkeeping.attempt(request, decision, span, started)
         try:
-            try:  # the worker call is under way while the decision goes out
-                yield decision
-            finally:  # logged once the decision is out, so the log delays neither it nor the call's send
-                self.bookkeeping.decided(request.request_id, decision)
+            yield decision  # the worker call is under way while the decision goes out
             first, move = await self._first_response_or_move(request, decision, tries, call, placed_at)
             if move is not None:
                 tries.moves.append(move)
-                self.bookkeeping.moved(span, request.request_id, move)
+                record.moved(move)
                 return
             async for response in _chained(first, call, request.samples):
-                self.bookkeeping.streamed(request, span, response, started, first=not streamed)
-                streamed += len(response.token_ids)
+                received = time.monotonic()
                 yield WorkerOutput(worker.name, response)
+                record.streamed(response, received)
             tries.finished = True
         except WorkerCallFailed as failure:
             worker.failed_requests += 1
-            error = tries.failover.after_failure(failure, streamed)
+            error = tries.failover.after_failure(failure, record.streamed_tokens)
             if error is not None:
                 raise error from None
-            self.bookkeeping.failed_over(worker.name, failure)
+            record.failed_over(failure)
         finally:
+            record.ended()
             call.close()  # a withdrawn request is cancelled on its worker, which frees its blocks
             worker.release(request.request_id)
 

@@ -14,8 +14,6 @@ from tandem.v1 import common_pb2, router_pb2
 WORKER_KINDS = {"cpu": common_pb2.WORKER_KIND_CPU, "gpu": common_pb2.WORKER_KIND_GPU}
 _KIND_NAMES = {number: name for name, number in WORKER_KINDS.items()}
 _SCORE_FIELDS = tuple(f.name for f in fields(WorkerScore) if f.name != "kind")
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "min_tokens", "logprobs", "prompt_logprobs")
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -25,14 +23,14 @@ def sampling_params(message: common_pb2.SamplingParams) -> SamplingParams:
     Raises:
         InvalidRequestError: with the field named as the API spells it, e.g. ``sampling.top_p``.
     """
-    given = {name: getattr(message, name) for name in _SAMPLING_FIELDS if message.HasField(name)}
-    if message.logit_bias:
-        given["logit_bias"] = dict(message.logit_bias)
-    if message.allowed_token_ids:
-        given["allowed_token_ids"] = frozenset(message.allowed_token_ids)
+    given = {field.name: value for field, value in message.ListFields()}  # each field is named as in SamplingParams
+    if "logit_bias" in given:
+        given["logit_bias"] = dict(given["logit_bias"])
+    if "allowed_token_ids" in given:
+        given["allowed_token_ids"] = frozenset(given["allowed_token_ids"])
     try:
-        if message.HasField("structured_output"):
-            given["structured_output"] = structured_output(message.structured_output)
+        if "structured_output" in given:
+            given["structured_output"] = structured_output(given["structured_output"])
         return SamplingParams(**given)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", exc.reason) from None

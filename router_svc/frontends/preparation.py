@@ -71,12 +71,13 @@ class Preparation:
             raise InvalidRequestError("max_new_tokens", f"must be a positive integer, got {submission.max_new_tokens}")
         sampling = await checked_sampling_params(submission.sampling)
         n = check_samples(submission.n)
-        max_new_tokens = self._budget(submission)
+        limits = self.model_limits()
+        max_new_tokens = self._budget(submission, limits)
         if sampling.min_tokens > max_new_tokens:
             raise InvalidRequestError("sampling.min_tokens", f"must be at most the output budget ({max_new_tokens} "
                                                              f"tokens), got {sampling.min_tokens}")
-        self._check_vocabulary("sampling.logit_bias", sampling.logit_bias)
-        self._check_vocabulary("sampling.allowed_token_ids", sampling.allowed_token_ids)
+        _check_vocabulary("sampling.logit_bias", sampling.logit_bias, limits)
+        _check_vocabulary("sampling.allowed_token_ids", sampling.allowed_token_ids, limits)
         worker_request = worker_pb2.GenerateRequest(
             request_id=submission.request_id, prompt_token_ids=worker_pb2.TokenIds(ids=submission.prompt_token_ids),
             max_new_tokens=max_new_tokens, sampling=submission.sampling, stop=submission.stop,
@@ -87,19 +88,14 @@ class Preparation:
         return RoutedRequest(submission.request_id, submission.prompt_token_ids, max_new_tokens, policy, worker_request,
                              submission.deadline, submission.frontend, submission.length_key)
 
-    def _check_vocabulary(self, field: str, token_ids) -> None:
-        limits = self.model_limits()
-        if limits is not None and token_ids and not (0 <= min(token_ids) and max(token_ids) < limits[1]):
-            raise InvalidRequestError(field, f"token ids must lie in [0, {limits[1]})")
-
-    def _budget(self, submission: Submission) -> int:
+    @staticmethod
+    def _budget(submission: Submission, limits: tuple[int, int] | None) -> int:
         """The request's output budget, checked against the served model's vocabulary and context."""
-        limits = self.model_limits()
         if limits is None:
             return submission.max_new_tokens or 1
         context_length, _ = limits  # the context, or the largest KV cache where that is less
         prompt, requested = submission.prompt_token_ids, submission.max_new_tokens
-        self._check_vocabulary(submission.prompt_field, prompt)
+        _check_vocabulary(submission.prompt_field, prompt, limits)
         if requested is not None and len(prompt) + requested > context_length:
             raise ContextLengthExceeded("max_new_tokens", f"this model's context is {context_length} tokens; the "
                                                           f"prompt has {len(prompt)} and the output asks for {requested}")
@@ -107,3 +103,8 @@ class Preparation:
             raise ContextLengthExceeded(submission.prompt_field,
                                         f"this model's context is {context_length} tokens; the prompt has {len(prompt)}")
         return requested or context_length - len(prompt)
+
+
+def _check_vocabulary(field: str, token_ids, limits: tuple[int, int] | None) -> None:
+    if limits is not None and token_ids and not (0 <= min(token_ids) and max(token_ids) < limits[1]):
+        raise InvalidRequestError(field, f"token ids must lie in [0, {limits[1]})")
