@@ -31,11 +31,13 @@ class Failover:
     def after_failure(self, failure: WorkerCallFailed, tokens_streamed: int) -> RoutingError | None:
         """None: route the request again, without the failed worker. Otherwise the error that ends it.
 
-        Tokens already streamed cannot be taken back, so a failure after the first token ends the request.
+        Tokens already streamed cannot be taken back, so a failure after the first token ends the request:
+        with the failure's own status where another worker would repeat it (the client's deadline passed, say),
+        otherwise as ``UNAVAILABLE``.
         """
         self.failures[failure.worker] = failure
         if tokens_streamed:
-            return RoutingError(Status.UNAVAILABLE,
+            return RoutingError(Status.UNAVAILABLE if failure.status in RETRYABLE else failure.status,
                                 f"worker {failure.worker} failed after streaming {tokens_streamed} tokens "
                                 f"({failure}); the output is incomplete")
         if failure.status not in RETRYABLE:

@@ -117,6 +117,12 @@ def test_a_failure_after_the_first_token_ends_the_request_as_incomplete():
                           "the output is incomplete")
 
 
+def test_a_deadline_that_passes_after_the_first_token_keeps_its_status():
+    error = Failover().after_failure(WorkerCallFailed("gpu", Status.DEADLINE_EXCEEDED, "Deadline Exceeded"), 2)
+    assert error.status is Status.DEADLINE_EXCEEDED
+    assert str(error).startswith("worker gpu failed after streaming 2 tokens")
+
+
 def test_every_worker_overloaded_ends_as_resource_exhausted():
     failover = Failover()
     for name in ("cpu", "gpu"):
