@@ -5,8 +5,11 @@ the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-
 the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default), bf16
 through F.linear, and int8 through torch's int8 kernel.
 
-It reports the most rows at which the default format (int8 in groups of ``INT8_GROUP``) beats packed fp32,
-what `FEW_ROWS` (tandem/engine/model/llama.py) weighs. Writes bench/results/weights.json.
+It reports the most rows at which the default format (int8 in groups of ``INT8_GROUP``) beats packed fp32.
+Then whole decode steps of the default model: 1 to 64 rows on the int8 decode copy through the one-call
+kernel against the same step layer by layer on each kind of batched weights (float32, and bfloat16 where
+the CPU multiplies it), and the crossover a worker uses here (``tandem/engine/model/crossover.py``).
+Writes bench/results/weights.json.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.engine.model import cpu_kernels
+from tandem.engine.config import CacheConfig
+from tandem.engine.model import cpu_kernels, crossover
+from tandem.engine.model.runner import ModelRunner, native_bfloat16
+from tandem.model_files import resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (out, in) of one SmolLM2-135M layer's fused projections: qkv, o, gate_up, down; then the output head.
@@ -77,6 +83,7 @@ def main() -> None:
         report["ms_per_step"][rows] = {name: timed_ms(step, args.repeats) for name, step in formats.items()}
         print(rows, "rows:", ", ".join(f"{name} {ms:.1f} ms" for name, ms in report["ms_per_step"][rows].items()), flush=True)
         del packed
+    report["decode_steps"] = {batched: whole_decode_steps(batched) for batched in batched_weights()}
     default = f"int8_kernel_g{cpu_kernels.INT8_GROUP}"
     report["default_kernel_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
                                                       if ms[default] < ms["fp32_packed"]), default=0)
@@ -84,6 +91,25 @@ def main() -> None:
     (RESULTS / "weights.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"the default int8 kernel is faster than packed fp32 up to {report['default_kernel_faster_up_to_rows']} rows; "
           f"wrote {RESULTS / 'weights.json'}")
+
+
+def batched_weights() -> list[str]:
+    return ["float32", "bfloat16"] if native_bfloat16() else ["float32"]
+
+
+def whole_decode_steps(batched: str) -> dict:
+    """Step times of the default model on both paths at every size the crossover considers, and the rows up to
+    which a worker here reads the decode copy (as recorded, or measured now)."""
+    runner = ModelRunner(resolve_model(None), decode_weights="int8", batched_weights=batched,
+                         cache=CacheConfig(num_kv_blocks=max(crossover.LADDER)))
+    ms = {}
+    for rows in crossover.LADDER:
+        decode_copy_s, batched_s = crossover.step_seconds(runner.decode_step, rows)
+        ms[rows] = {"int8_one_call": decode_copy_s * 1000, f"{batched}_layer_by_layer": batched_s * 1000}
+        print(f"decode step of {rows} rows: int8 decode copy {ms[rows]['int8_one_call']:.1f} ms, {batched} batched "
+              f"weights {ms[rows][f'{batched}_layer_by_layer']:.1f} ms", flush=True)
+    print(f"with {batched} batched weights, steps of up to {runner.model.decode_rows} rows read the decode copy here")
+    return {"ms_per_step": ms, "decode_rows": runner.model.decode_rows}
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import INT8_GROUP
 from tandem.engine.model.factory import build_engine
-from tandem.engine.model.llama import FEW_ROWS, PackedLinear
+from tandem.engine.model.llama import PackedLinear
 from tests.engine.helpers import greedy_request, random_prompt, run_to_completion
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -32,10 +32,10 @@ def kernels(request):
 def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(80, 45)  # 45 outputs: the last tile padded
-    packed = PackedLinear(linear, kernels)
-    for rows in (1, 3, FEW_ROWS, FEW_ROWS + 1, 40):
+    packed = PackedLinear(linear, kernels, decode_rows=32)
+    for rows in (1, 3, 32, 33, 40):
         x = torch.randn(rows, 80)
-        if rows <= FEW_ROWS:
+        if rows <= packed.decode_rows:
             expected = F.linear(x, linear.weight.half().float(), linear.bias)
         else:
             expected = linear(x)
@@ -47,7 +47,7 @@ def test_few_row_steps_read_the_float16_copy_and_larger_steps_the_fp32_weight(ke
 def test_few_row_steps_read_the_int8_copy_with_a_scale_per_group(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(64, 7)
-    packed = PackedLinear(linear, kernels, torch.int8)
+    packed = PackedLinear(linear, kernels, torch.int8, decode_rows=3)
     assert packed.decode_weight.group == INT8_GROUP == 32
     assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == 9 * 64 + 9 * 2 * 4
     groups = linear.weight.view(7, 2, 32)
@@ -116,13 +116,14 @@ def test_without_a_low_precision_copy_every_step_reads_the_fp32_weight(kernels):
 def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to_the_decode_copy(kernels):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
-    packed = PackedLinear(linear, kernels, torch.int8, torch.bfloat16)
+    packed = PackedLinear(linear, kernels, torch.int8, torch.bfloat16, decode_rows=8)
     assert packed.packed_weight.dtype == torch.bfloat16
-    many, few = torch.randn(FEW_ROWS + 1, 64), torch.randn(FEW_ROWS, 64)
+    many, few = torch.randn(9, 64), torch.randn(8, 64)
     output = packed(many)
     assert output.dtype == torch.float32
     torch.testing.assert_close(output, linear(many), rtol=2e-2, atol=2e-2)  # bfloat16's 8-bit mantissa
-    torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8)(few), rtol=0, atol=0)
+    torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8, decode_rows=8)(few),
+                               rtol=0, atol=0)
 
 
 def test_auto_batched_weights_are_bfloat16_only_where_native_and_never_beside_float32_decode_weights(tiny_model):
@@ -297,6 +298,7 @@ def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_t
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights=decode_weights)
     assert engine.executor.decode_dtype == getattr(torch, decode_weights)
     model = engine.executor.model
+    model.decode_rows = 4  # every decode step below on the decode copy, whatever was measured here
     fused = model.decode_layers
     assert fused is not None and len(fused) == model.config.num_hidden_layers
     one_op_at_a_time = model.forward

@@ -50,6 +50,7 @@ ISAS = {"avx512": (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f",
 
 class CpuKernels:
     def __init__(self, library: Path, isa: str):
+        self.library = library
         self.isa = isa
         c = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -362,14 +363,20 @@ def build_all() -> None:
 
 
 def _cpu_flags() -> frozenset[str]:
+    return frozenset(cpu_info("flags").split())
+
+
+def cpu_info(field: str) -> str:
+    """The first value of ``field`` in /proc/cpuinfo ("model name", "flags"); "" where there is none."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
     for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            return value.strip()
+    return ""
 
 
 def _build(compiler: str, flags: tuple[str, ...], library: Path) -> None:

@@ -207,6 +207,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_layers: DecodeLayers | None = None  # with the CPU kernels and float16 weights
+        self._decode_rows = 0
 
     def forward(
         self,
@@ -227,7 +228,7 @@ class CausalLM(nn.Module):
         """
         x, residual = self.embed_tokens(input_ids), None
         if self.decode_layers is not None and meta.decode_block_tables is not None and not meta.prefills \
-                and len(input_ids) <= FEW_ROWS:
+                and len(input_ids) <= self._decode_rows:
             x, residual = self.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
                                                          meta.slot_mapping, k_cache, v_cache, meta.decode_block_tables)
         else:
@@ -301,18 +302,26 @@ class CausalLM(nn.Module):
                                               self.config.intermediate_size, self.norm.eps, attention.scale)
 
     @property
+    def decode_rows(self) -> int:
+        """The most rows a step may have and still read the decode copy of the weights (a step of decodes
+        alone then runs every layer in one kernel call); larger steps read the batched weights. 0 until set,
+        which the runner does with the crossover it measures (``crossover.measured_decode_rows``)."""
+        return self._decode_rows
+
+    @decode_rows.setter
+    def decode_rows(self, rows: int) -> None:
+        self._decode_rows = rows
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.decode_rows = rows
+
+    @property
     def cpu_kernels(self) -> CpuKernels | None:
         return self.norm.cpu_kernels
 
     @property
     def uses_cpu_kernels(self) -> bool:
         return self.cpu_kernels is not None
-
-
-# Steps of at most this many rows (decodes, short prompts) read the float16 or int8 copy of the weights,
-# when there is one: up to here the multiply is bound by reading the weights, and the kernels read half or
-# a quarter of the bytes; beyond, oneDNN's packed float32 kernel catches up (`make bench-weights`).
-FEW_ROWS = 32
 
 
 class PackedLinear(nn.Module):
@@ -322,14 +331,17 @@ class PackedLinear(nn.Module):
     weight on every call, which costs about as much as the multiply; the pre-reordered weight makes
     these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. The reordered
     weight is float32, or ``batched_dtype`` bfloat16, multiplied by the rows rounded to bfloat16 with
-    float32 accumulation. With ``decode_kernels``, steps of at most ``FEW_ROWS`` rows multiply by a copy of
-    the weight in ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their
-    ``linear`` instead, in float32 arithmetic.
+    float32 accumulation. With ``decode_kernels``, steps of at most ``decode_rows`` rows multiply by a copy
+    of the weight in ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their
+    ``linear`` instead, in float32 arithmetic: there the multiply is bound by reading the weights, and the
+    copy has half or a quarter of the bytes.
     """
 
     def __init__(self, linear: nn.Linear, decode_kernels: CpuKernels | None = None,
-                 decode_dtype: torch.dtype | None = torch.float16, batched_dtype: torch.dtype = torch.float32):
+                 decode_dtype: torch.dtype | None = torch.float16, batched_dtype: torch.dtype = torch.float32,
+                 decode_rows: int = 0):
         super().__init__()
+        self.decode_rows = decode_rows
         weight = linear.weight.detach()
         self.batched_dtype = batched_dtype
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(batched_dtype), 8)
@@ -339,7 +351,7 @@ class PackedLinear(nn.Module):
         self.decode_weight = None if self.decode_kernels is None else self.decode_kernels.pack(weight, decode_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_kernels is not None and x.shape[0] <= FEW_ROWS:
+        if self.decode_kernels is not None and x.shape[0] <= self.decode_rows:
             return self.decode_kernels.linear(x, self.decode_weight, self.bias)
         if self.batched_dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

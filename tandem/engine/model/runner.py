@@ -11,7 +11,7 @@ import torch
 
 from tandem.engine.config import (BATCHED_WEIGHTS, DECODE_WEIGHTS, DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS,
                                   CacheConfig)
-from tandem.engine.model import cpu_kernels
+from tandem.engine.model import cpu_kernels, crossover
 from tandem.engine.model.cpu_kernels import BlockTables
 from tandem.engine.model.decode_graphs import DecodeGraphs
 from tandem.engine.model.llama import AttentionMetadata, CausalLM, PrefillChunk, rope_tables
@@ -103,6 +103,7 @@ class ModelRunner:
         if batched_weights not in BATCHED_WEIGHTS:
             raise ValueError(f"batched_weights must be one of {', '.join(BATCHED_WEIGHTS)}; got {batched_weights!r}")
         self.decode_dtype = self.batched_dtype = self.dtype
+        kernels = None
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
             packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
@@ -127,9 +128,37 @@ class ModelRunner:
         self._mask_timer = MaskTimer()
         self.decode_graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, self.cos_table, self.sin_table,
                                           num_slots - 1, self.max_model_len) if cuda_graphs else None
-        logger.info("model %s on %s (%s, %s weights for decode steps, %s for batched ones): %d KV blocks of %d tokens",
-                    model_dir, self.device, self.dtype, self.decode_dtype, self.batched_dtype, self.num_kv_blocks,
-                    block_size)
+        if self.decode_dtype != self.dtype:  # a CPU model with a decode copy of its weights
+            self.model.decode_rows = crossover.measured_decode_rows(
+                self._crossover_combination(kernels), self.decode_step, self.num_kv_blocks)
+        logger.info("model %s on %s (%s, %s weights for steps of up to %d rows, %s for larger ones): %d KV blocks of "
+                    "%d tokens", model_dir, self.device, self.dtype, self.decode_dtype, self.model.decode_rows,
+                    self.batched_dtype, self.num_kv_blocks, block_size)
+
+    def _crossover_combination(self, kernels: cpu_kernels.CpuKernels) -> dict:
+        """What the step times that set ``decode_rows`` depend on."""
+        config = self.config
+        return {"cpu": cpu_kernels.cpu_info("model name"), "kernels": kernels.library.name,
+                "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "decode_weights": str(self.decode_dtype), "batched_weights": str(self.batched_dtype),
+                "model": [config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                          config.num_attention_heads, config.num_key_value_heads, self.head_dim, config.vocab_size]}
+
+    @torch.inference_mode()
+    def decode_step(self, rows: int, decode_copy: bool) -> None:
+        """One step of ``rows`` decodes, each at the end of a KV block of its own (blocks 0 to rows - 1, before
+        any request holds them), on the decode copy of the weights or on the batched ones."""
+        chosen, self.model.decode_rows = self.model.decode_rows, rows if decode_copy else 0
+        size = self.block_size
+        positions = torch.full((rows,), size - 1)
+        tables = BlockTables([torch.tensor([row]) for row in range(rows)], [size] * rows, size)
+        meta = AttentionMetadata(slot_mapping=torch.arange(rows) * size + size - 1, num_decodes=rows, decode_slots=None,
+                                 decode_mask=None, prefills=[], decode_block_tables=tables)
+        try:
+            self.model(torch.zeros(rows, dtype=torch.long), positions, self.k_cache, self.v_cache, meta,
+                       torch.arange(rows), self.cos_table, self.sin_table)
+        finally:
+            self.model.decode_rows = chosen
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[Sample | None]:

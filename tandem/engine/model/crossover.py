@@ -1,0 +1,83 @@
+"""Where a CPU step stops reading the decode copy of the weights, measured on this machine.
+
+A step of few rows is bound by reading the weights, so the decode copy (int8 or float16, a quarter or half
+the bytes) wins there, and a step of decodes alone runs every layer in one kernel call. A step of many rows
+is bound by arithmetic, where oneDNN's kernels on the batched weights win (bfloat16 ones where the CPU
+multiplies bfloat16). Where the two cross depends on the CPU, the model's shape, the two formats and the
+threads, so it is timed on whole decode steps, once for each such combination on a machine, and kept in
+``$TANDEM_HOME/kernels/decode-rows.json``. ``make bench-weights`` reports it beside the per-layer timings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tandem.model_files import tandem_home
+
+logger = logging.getLogger(__name__)
+
+# The step sizes timed, in rows. A step of more rows than the largest reads the batched weights.
+LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+REPEATS = 3  # timed runs of each path at each size, interleaved; the fastest counts
+
+
+def measured_decode_rows(combination: dict, time_step: Callable[[int, bool], None], max_rows: int) -> int:
+    """The most rows on ``LADDER`` (up to ``max_rows``) at which a step on the decode copy beats the same step
+    on the batched weights, as must every smaller size: the figure recorded for ``combination`` (what the
+    timing depends on, JSON-ready), or else timed now and recorded. ``time_step(rows, decode_copy)`` runs
+    one step of ``rows`` decodes on either path."""
+    path = tandem_home() / "kernels" / "decode-rows.json"
+    key = json.dumps(combination, sort_keys=True)
+    recorded = _read(path)
+    if key in recorded:
+        return recorded[key]
+    rows = _crossover(time_step, max_rows)
+    _record(path, key, rows)
+    logger.info("steps of up to %d rows read the decode copy of the weights (measured here for %s)", rows, key)
+    return rows
+
+
+def _crossover(time_step: Callable[[int, bool], None], max_rows: int) -> int:
+    rows = 0
+    for size in (size for size in LADDER if size <= max_rows):
+        decode_copy_s, batched_s = step_seconds(time_step, size)
+        if decode_copy_s > batched_s:
+            break
+        rows = size
+    return rows
+
+
+def step_seconds(time_step: Callable[[int, bool], None], rows: int) -> tuple[float, float]:
+    """The fastest of ``REPEATS`` steps of ``rows`` decodes on the decode copy and on the batched weights,
+    the two interleaved after a warm-up step each."""
+    seconds = {True: [], False: []}
+    for decode_copy in (True, False):
+        time_step(rows, decode_copy)
+    for _ in range(REPEATS):
+        for decode_copy in (True, False):
+            start = time.perf_counter()
+            time_step(rows, decode_copy)
+            seconds[decode_copy].append(time.perf_counter() - start)
+    return min(seconds[True]), min(seconds[False])
+
+
+def _read(path: Path) -> dict[str, int]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record(path: Path, key: str, rows: int) -> None:
+    """Add the figure to the file, replaced whole so that a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recorded = {**_read(path), key: rows}
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+        json.dump(recorded, file, indent=1, sort_keys=True)
+    os.replace(file.name, path)

@@ -1,0 +1,79 @@
+"""The rows up to which a CPU step reads the decode copy of the weights: timed on whole steps once per machine and
+combination, recorded, and read back by the next runner."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tandem.engine.config import CacheConfig
+from tandem.engine.model import cpu_kernels, crossover
+from tandem.engine.model.factory import build_engine
+
+
+@pytest.fixture
+def home(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    return tmp_path
+
+
+def sleeping_steps(decode_copy_ms_per_row: float, batched_ms: float, timed: list):
+    """Steps that take ``decode_copy_ms_per_row`` per row on the decode copy and ``batched_ms`` on the batched
+    weights, as sleeps; ``timed`` collects each (rows, decode_copy)."""
+    def step(rows: int, decode_copy: bool) -> None:
+        timed.append((rows, decode_copy))
+        time.sleep((rows * decode_copy_ms_per_row if decode_copy else batched_ms) / 1000)
+    return step
+
+
+def test_the_crossover_is_the_largest_step_the_decode_copy_wins_and_timing_stops_at_the_first_it_loses(home):
+    timed = []
+    rows = crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(2, 20, timed), max_rows=64)
+    assert rows == 8  # 16 ms against 20 at 8 rows, 24 against 20 at 12
+    assert {size for size, _ in timed} == {1, 2, 4, 8, 12}
+    assert timed.count((12, True)) == timed.count((12, False)) == 1 + crossover.REPEATS
+    assert json.loads((home / "kernels" / "decode-rows.json").read_text()) == {json.dumps({"cpu": "a"}): 8}
+
+
+def test_a_recorded_crossover_is_read_back_and_another_combination_is_timed_beside_it(home):
+    crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(2, 20, []), max_rows=64)
+
+    def untimed(rows: int, decode_copy: bool) -> None:
+        raise AssertionError("a recorded combination is not timed again")
+
+    assert crossover.measured_decode_rows({"cpu": "a"}, untimed, max_rows=64) == 8
+    assert crossover.measured_decode_rows({"cpu": "b"}, sleeping_steps(1, 0, []), max_rows=64) == 0
+    assert len(json.loads((home / "kernels" / "decode-rows.json").read_text())) == 2
+
+
+def test_the_ladder_stops_at_the_rows_the_cache_can_hold(home):
+    timed = []
+    assert crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(0, 5, timed), max_rows=10) == 8
+    assert max(size for size, _ in timed) == 8
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
+                    reason="needs the CPU kernels and oneDNN")
+def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_reads_the_figure(home, tiny_model,
+                                                                                               monkeypatch):
+    def build():
+        return build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64), calibrate=False,
+                            decode_weights="int8").executor
+
+    first = build()
+    assert first.model.decode_rows in (0, *crossover.LADDER)
+    recorded = json.loads((home / "kernels" / "decode-rows.json").read_text())
+    assert list(recorded.values()) == [first.model.decode_rows]
+    assert json.loads(next(iter(recorded)))["decode_weights"] == "torch.int8"
+
+    def untimed(*args):
+        raise AssertionError("the recorded figure is read, not timed again")
+
+    monkeypatch.setattr(crossover, "_crossover", untimed)
+    assert build().model.decode_rows == first.model.decode_rows
+    without_copy = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64),
+                                calibrate=False, decode_weights="float32").executor
+    assert without_copy.model.decode_rows == 0  # nothing to time: every step reads the float32 weights
