@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from router_svc.failover import Failover, WorkerStatus
 from router_svc.worker_view import WorkerView
 from tandem.decision import RoutingDecision, WorkerScore
+from tandem.step_time import step_seconds
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,8 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
     """Predicted seconds until the new request finishes on this worker.
 
     Plays the worker's queue forward with its slots (``max_active_requests``), its per-step token
-    budget and its step-time model: a step costs base + per_prefill_token * prefill tokens +
-    per_decode * decoding requests. Unlike the cost score, this sees the wait for a free slot and
+    budget and its step-time model (``tandem.step_time``): a step costs base + per_prefill_token * prefill
+    tokens + per_decode * decoding requests, or its own line where it is small enough. Unlike the cost score, this sees the wait for a free slot and
     that a batch decodes in parallel. Outputs are the expected ones (``RouteInput``), at least one token.
 
     KV capacity: a waiting request starts only when the blocks it will take (its uncomputed prompt and
@@ -176,8 +177,7 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
             running.append(waiting.pop(0))
         if all(work[0] == 0 for work in running):
             steps = min(work[1] for work in running)  # only decodes: jump to the next completion
-            clock += steps * (report.step_base_s + report.step_per_decode_s * len(running)
-                              + sum(work[3] for work in running))
+            clock += steps * (step_seconds(report, 0, len(running)) + sum(work[3] for work in running))
             for work in running:
                 work[1] -= steps
         else:
@@ -201,8 +201,7 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
                     if work[0] == 0:
                         work[1] -= 1  # the last prefill chunk samples the first token
                         masks += work[3]
-            clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens \
-                + report.step_per_decode_s * decodes + masks
+            clock += step_seconds(report, prefill_tokens, decodes) + masks
         if all(target[1] <= 0 for target in targets):
             return clock
         held -= sum(work[2] for work in running if work[1] <= 0)

@@ -48,8 +48,8 @@ class Credit:
 class WorkerReport:
     """A worker's own report: every request it holds, its limits, its step-time model and its KV cache.
 
-    ``step_*`` is the fitted step time: base + per_prefill_token * prefill tokens + per_decode * decoding
-    requests, plus per_constrained_row * requests with a structured output. ``kv_blocks_*`` count blocks of ``block_size`` tokens (total 0: unknown, and the policies
+    ``step_*`` and ``small_step_*`` are the fitted step-time model (``tandem.step_time``), plus
+    per_constrained_row * requests with a structured output. ``kv_blocks_*`` count blocks of ``block_size`` tokens (total 0: unknown, and the policies
     ignore KV capacity).
     """
 
@@ -65,6 +65,9 @@ class WorkerReport:
     step_per_prefill_token_s: float = 0.0
     step_per_decode_s: float = 0.0
     step_per_constrained_row_s: float = 0.0
+    small_step_rows: int = 0
+    small_step_base_s: float = 0.0
+    small_step_per_row_s: float = 0.0
     block_size: int = 16
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
@@ -83,6 +86,8 @@ class WorkerReport:
             prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
             step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
             step_per_decode_s=rates.step_per_decode_s, step_per_constrained_row_s=rates.step_per_constrained_row_s,
+            small_step_rows=rates.small_step_rows, small_step_base_s=rates.small_step_base_s,
+            small_step_per_row_s=rates.small_step_per_row_s,
             block_size=reported_block_size(state),
             kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
             kv_blocks_cached=state.kv_blocks_cached,

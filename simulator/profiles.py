@@ -21,16 +21,22 @@ from dataclasses import dataclass, replace
 
 from tandem.engine.config import SchedulerConfig
 from tandem.engine.rates import Rates, RateTracker, StepSample
+from tandem.step_time import step_seconds
 
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    base_s: float
-    per_prefill_token_s: float
-    per_decode_s: float
+    """A simulated worker's step times, in the terms of the model a worker reports (``tandem.step_time``)."""
+
+    step_base_s: float
+    step_per_prefill_token_s: float
+    step_per_decode_s: float
+    small_step_rows: int = 0
+    small_step_base_s: float = 0.0
+    small_step_per_row_s: float = 0.0
 
     def seconds(self, prefill_tokens: int, decodes: int) -> float:
-        return self.base_s + self.per_prefill_token_s * prefill_tokens + self.per_decode_s * decodes
+        return step_seconds(self, prefill_tokens, decodes)
 
     @classmethod
     def from_rates(cls, prefill_tok_s: float, decode_tok_s: float, reference_prefill_tokens: int,
@@ -50,10 +56,14 @@ class StepTimeModel:
     def fitted_rates(self, config: SchedulerConfig) -> Rates:
         """The rates a worker with this step model and ``config`` reports: the engine's rate fit over
         calibration steps of the same shapes the engine measures (half and full prefill chunks, a
-        decode step of one request and of a full batch)."""
-        tracker = RateTracker(config.max_num_batched_tokens, config.max_active_requests)
-        chunk = config.max_num_batched_tokens
-        for prefill_tokens, decodes in ((max(1, chunk // 2), 0), (chunk, 0), (0, config.max_active_requests), (0, 1)):
+        decode step of one request, of the largest small step and of a full batch)."""
+        tracker = RateTracker(config.max_num_batched_tokens, config.max_active_requests,
+                              small_step_rows=self.small_step_rows)
+        chunk, batch = config.max_num_batched_tokens, config.max_active_requests
+        shapes = [(max(1, chunk // 2), 0), (chunk, 0), (0, batch), (0, 1)]
+        if 1 < self.small_step_rows < batch:
+            shapes.append((0, self.small_step_rows))
+        for prefill_tokens, decodes in shapes:
             tracker.add_calibration(StepSample(prefill_tokens, decodes, self.seconds(prefill_tokens, decodes)))
         return tracker.rates()
 
@@ -128,7 +138,8 @@ def worker_profile_from_info(kind: str, info) -> WorkerProfile:
     """A live worker's profile from its ``GetInfoResponse``: the step model it fitted to its own
     calibration, its scheduler limits and its KV blocks."""
     rates = info.rates
-    step = StepTimeModel(rates.step_base_s, rates.step_per_prefill_token_s, rates.step_per_decode_s)
+    step = StepTimeModel(rates.step_base_s, rates.step_per_prefill_token_s, rates.step_per_decode_s,
+                         rates.small_step_rows, rates.small_step_base_s, rates.small_step_per_row_s)
     config = SchedulerConfig(max_active_requests=info.max_active_requests,
                              max_waiting_requests=info.max_waiting_requests,
                              max_num_batched_tokens=info.max_num_batched_tokens, block_size=info.block_size)

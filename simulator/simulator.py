@@ -69,6 +69,8 @@ class SimWorker:
             max_num_batched_tokens=self.profile.scheduler.max_num_batched_tokens,
             prefill_tok_s=rates.prefill_tok_s, decode_tok_s=rates.decode_tok_s, step_base_s=rates.step_base_s,
             step_per_prefill_token_s=rates.step_per_prefill_token_s, step_per_decode_s=rates.step_per_decode_s,
+            small_step_rows=rates.small_step_rows, small_step_base_s=rates.small_step_base_s,
+            small_step_per_row_s=rates.small_step_per_row_s,
             block_size=pool.block_size, kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_cached_free_blocks,
         )

@@ -32,6 +32,7 @@ class ModelExecutor(Protocol):
     vocab_size: int
     eos_token_ids: frozenset[int]
     mask_seconds_per_row: float  # a structured output's mask, per row, averaged over recent steps
+    small_step_rows: int  # steps of at most this many rows run another way, priced apart (0: none do)
 
     def execute(self, output: SchedulerOutput) -> list[Sample | None]:
         """Run one step; return the sample per scheduled request (None where none is sampled)."""
@@ -108,7 +109,8 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.scheduler = Scheduler(config, executor.num_kv_blocks, clock)
-        self.rates = RateTracker(config.max_num_batched_tokens, config.max_active_requests)
+        self.rates = RateTracker(config.max_num_batched_tokens, config.max_active_requests,
+                                 small_step_rows=executor.small_step_rows)
         self.seq = 0
         self.dead_reason: str | None = None
         self._requests: dict[str, Request] = {}
@@ -246,6 +248,8 @@ class LLMEngine:
         measure(min(64, budget), 1, 0)  # warm-up: first-call allocations are not a rate
         prefill_only, first_decode = 0, 1
         shapes = [(max(1, budget // 2), 1, prefill_only), (budget, 1, prefill_only), (16, batch, first_decode), (16, 1, first_decode)]
+        if 1 < self.executor.small_step_rows < batch:  # the largest small step, for the small steps' line
+            shapes.append((16, self.executor.small_step_rows, first_decode))
         for shape in shapes:
             samples = [measure(*shape) for _ in range(repeats)]
             self.rates.add_calibration(min(samples, key=lambda sample: sample.seconds))

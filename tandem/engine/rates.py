@@ -1,14 +1,20 @@
 """Prefill and decode rates from a step-time model fitted to measured steps.
 
 A step's wall time is modelled as ``base + per_prefill_token * prefill_tokens + per_decode * decodes``.
+Where the device runs steps of few rows another way (a CPU's decode copy of the weights, up to
+``small_step_rows`` rows of decodes and prefill tokens together), those steps have a line of their own,
+``small_base + small_per_row * rows``, fitted to them alone (``tandem.step_time``).
 Calibration steps at start-up seed the fit and always stay in it; the most recent observed steps
 join it, so the rates follow the device as load and thermals change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
+
+from tandem.step_time import step_seconds
 
 _RIDGE = 1e-9
 
@@ -18,6 +24,10 @@ class StepSample:
     num_prefill_tokens: int
     num_decode_requests: int
     seconds: float
+
+    @property
+    def rows(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_requests
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,9 @@ class Rates:
     num_calibration_steps: int
     num_observed_steps: int
     step_per_constrained_row_s: float = 0.0  # a structured output's mask, per row that has one
+    small_step_rows: int = 0  # steps of at most this many rows follow the small-step line; 0: none do
+    small_step_base_s: float = 0.0
+    small_step_per_row_s: float = 0.0
 
     @property
     def source(self) -> str:
@@ -56,28 +69,39 @@ class RateTracker:
         reference_prefill_tokens: chunk size at which ``prefill_tok_s`` is quoted.
         reference_decode_batch: batch size at which ``decode_tok_s`` is quoted.
         window: how many recent observed steps take part in the fit.
+        small_step_rows: steps of at most this many rows get a line of their own; 0: none do.
     """
 
-    def __init__(self, reference_prefill_tokens: int, reference_decode_batch: int, window: int = 256):
+    def __init__(self, reference_prefill_tokens: int, reference_decode_batch: int, window: int = 256,
+                 small_step_rows: int = 0):
         self.reference_prefill_tokens = reference_prefill_tokens
         self.reference_decode_batch = reference_decode_batch
+        self.small_step_rows = small_step_rows
         self._calibration: list[StepSample] = []
         self._observed: deque[StepSample] = deque(maxlen=window)
-        self._sums = _NormalEquations()  # over the calibration samples and the observed window
+        # over the calibration samples and the observed window: the larger steps, and the small ones
+        self._sums = _NormalEquations()
+        self._small_sums = _SmallStepSums()
         self._rates: Rates | None = None
+
+    def _add(self, sample: StepSample, sign: int = 1) -> None:
+        if sample.rows <= self.small_step_rows:
+            self._small_sums.add(sample, sign)
+        else:
+            self._sums.add(sample, sign)
 
     def add_calibration(self, sample: StepSample) -> None:
         self._calibration.append(sample)
-        self._sums.add(sample)
+        self._add(sample)
         self._rates = None
 
     def observe(self, sample: StepSample) -> None:
         if self._observed.maxlen == 0:  # a fit of the calibration alone
             return
         if len(self._observed) == self._observed.maxlen:
-            self._sums.add(self._observed[0], -1)
+            self._add(self._observed[0], -1)
         self._observed.append(sample)
-        self._sums.add(sample)
+        self._add(sample)
         self._rates = None
 
     @property
@@ -92,12 +116,16 @@ class RateTracker:
     def _fit(self) -> Rates:
         if not self._calibration and not self._observed:
             raise RuntimeError("no step has been measured yet")
-        base, per_token, per_decode = self._least_squares()
-        prefill_time = base + per_token * self.reference_prefill_tokens
-        decode_time = base + per_decode * self.reference_decode_batch
-        return Rates(
-            prefill_tok_s=self.reference_prefill_tokens / prefill_time,
-            decode_tok_s=self.reference_decode_batch / decode_time,
+        samples = self._calibration + list(self._observed)
+        large = [s for s in samples if s.rows > self.small_step_rows]
+        small = [s for s in samples if s.rows <= self.small_step_rows]
+        base, per_token, per_decode = self._least_squares(large) if large else (0.0, 0.0, 0.0)
+        small_base, small_per_row = self._small_sums.line(small) if small else (0.0, 0.0)
+        if not large:  # every step measured was small: the larger ones are priced as small ones
+            base, per_token, per_decode = small_base, small_per_row, small_per_row
+        rates = Rates(
+            prefill_tok_s=0.0,
+            decode_tok_s=0.0,
             step_base_s=base,
             step_per_prefill_token_s=per_token,
             step_per_decode_s=per_decode,
@@ -105,10 +133,17 @@ class RateTracker:
             reference_decode_batch=self.reference_decode_batch,
             num_calibration_steps=len(self._calibration),
             num_observed_steps=len(self._observed),
+            small_step_rows=self.small_step_rows if small else 0,
+            small_step_base_s=small_base,
+            small_step_per_row_s=small_per_row,
         )
+        return dataclasses.replace(
+            rates,
+            prefill_tok_s=self.reference_prefill_tokens / step_seconds(rates, self.reference_prefill_tokens, 0),
+            decode_tok_s=self.reference_decode_batch / step_seconds(rates, 0, self.reference_decode_batch))
 
-    def _least_squares(self) -> tuple[float, float, float]:
-        """Ridge least squares for the three step-time coefficients."""
+    def _least_squares(self, samples: list[StepSample]) -> tuple[float, float, float]:
+        """Ridge least squares for the three step-time coefficients of the larger steps (``samples``)."""
         xtx = [[float(value) for value in row] for row in self._sums.xtx]
         xty = [value * 1e-9 for value in self._sums.xty_ns]
         for i in range(3):
@@ -117,7 +152,6 @@ class RateTracker:
         # A coefficient fitted below zero means the data cannot tell it apart; fall back to the
         # simplest consistent model rather than report a negative cost.
         if min(coefficients) < 0:
-            samples = self._calibration + list(self._observed)
             base = min(s.seconds for s in samples)
             per_token = _mean_marginal(samples, base, lambda s: s.num_prefill_tokens)
             per_decode = _mean_marginal(samples, base, lambda s: s.num_decode_requests)
@@ -141,6 +175,33 @@ class _NormalEquations:
             self.xty_ns[i] += row[i] * nanoseconds
             for j in range(3):
                 self.xtx[i][j] += sign * row[i] * row[j]
+
+
+class _SmallStepSums:
+    """The running sums of the small steps' line, seconds against rows, kept exact as ``_NormalEquations``."""
+
+    def __init__(self):
+        self.count = self.rows = self.rows_squared = self.seconds_ns = self.rows_seconds_ns = 0
+
+    def add(self, sample: StepSample, sign: int = 1) -> None:
+        nanoseconds = round(sample.seconds * 1e9)
+        self.count += sign
+        self.rows += sign * sample.rows
+        self.rows_squared += sign * sample.rows ** 2
+        self.seconds_ns += sign * nanoseconds
+        self.rows_seconds_ns += sign * sample.rows * nanoseconds
+
+    def line(self, samples: list[StepSample]) -> tuple[float, float]:
+        """(base, per row) of the least-squares line; where the steps cannot tell the slope or it falls below
+        zero, the fastest step's time and the mean marginal cost above it."""
+        spread = self.count * self.rows_squared - self.rows ** 2
+        if spread > 0:
+            per_row = (self.count * self.rows_seconds_ns - self.rows * self.seconds_ns) / spread * 1e-9
+            base = (self.seconds_ns * 1e-9 - per_row * self.rows) / self.count
+            if per_row >= 0 and base >= 0:
+                return base, per_row
+        base = min(s.seconds for s in samples)
+        return base, _mean_marginal(samples, base, lambda s: s.rows)
 
 
 def _mean_marginal(samples: list[StepSample], base: float, units) -> float:

@@ -341,4 +341,7 @@ def _rates_message(rates: Rates | None) -> common_pb2.Rates | None:
         observed_steps=rates.num_observed_steps,
         source=rates.source,
         step_per_constrained_row_s=rates.step_per_constrained_row_s,
+        small_step_rows=rates.small_step_rows,
+        small_step_base_s=rates.small_step_base_s,
+        small_step_per_row_s=rates.small_step_per_row_s,
     )

@@ -77,3 +77,13 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
     without_copy = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64),
                                 calibrate=False, decode_weights="float32").executor
     assert without_copy.model.decode_rows == 0  # nothing to time: every step reads the float32 weights
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
+                    reason="needs the CPU kernels and oneDNN")
+def test_the_engine_prices_the_steps_on_the_decode_copy_on_a_line_of_their_own(tiny_model):
+    engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64), calibrate=True,
+                          decode_weights="int8")
+    rates = engine.current_rates()
+    assert rates.small_step_rows == engine.executor.small_step_rows > 0
+    assert rates.small_step_base_s > 0 and rates.small_step_per_row_s >= 0

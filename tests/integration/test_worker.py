@@ -172,6 +172,7 @@ def test_get_info_describes_model_and_limits(worker):
     assert (info.device, info.dtype, info.kind) == ("cpu", "float32", common_pb2.WORKER_KIND_CPU)
     assert info.block_size == 16 and info.max_active_requests == 8 and info.context_length == 1024
     assert info.vocab_size > 0 and info.rates.calibration_steps == 4
+    assert info.rates.small_step_rows == 0  # no decode copy of the weights: every step follows one model
 
 
 def test_reflection_lists_the_services(worker):

@@ -258,6 +258,16 @@ def test_finish_time_idle_worker_matches_hand_computation():
     assert score.score == pytest.approx(expected, rel=1e-12)
 
 
+def test_finish_time_prices_small_steps_on_their_own_line():
+    # As above, on a worker whose steps of up to 4 rows take another path: the last chunk of 4 tokens and
+    # the 4 decode steps are small.
+    small_base, small_per_row = 0.002, 0.0005
+    view = step_view(small_step_rows=4, small_step_base_s=small_base, small_step_per_row_s=small_per_row)
+    score = finish_time_score(view, RouteInput(prompt_tokens=100, max_new_tokens=5))
+    expected = 3 * BASE + 96 * PER_PREFILL + (small_base + 4 * small_per_row) + 4 * (small_base + small_per_row)
+    assert score.score == pytest.approx(expected, rel=1e-12)
+
+
 def test_finish_time_one_new_token_is_just_the_prefill():
     score = finish_time_score(step_view(), RouteInput(prompt_tokens=64, max_new_tokens=1))
     assert score.score == pytest.approx(2 * BASE + 64 * PER_PREFILL, rel=1e-12)
@@ -363,7 +373,8 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
     """One step at a time, no jumping, as tandem.engine.scheduler schedules: FCFS admission into
     ``max_active_requests`` slots; running requests served in order, each taking its tokens (one for a
     decode) from ``max_num_batched_tokens`` until it runs out. A step costs base + per-token * prefill
-    tokens + per-decode * one-token items (the step-time model counts a one-token chunk as a decode)."""
+    tokens + per-decode * one-token items (the step-time model counts a one-token chunk as a decode), or, with
+    at most ``small_step_rows`` rows in all, small-base + small-per-row * rows."""
     running = deque(_Work(w.prefill_tokens, w.decode_tokens) for w in view.queue if w.running)
     waiting = deque(_Work(w.prefill_tokens, w.decode_tokens) for w in view.queue if not w.running)
     target = _Work(max(1, request.prompt_tokens - view.cached_tokens), request.max_new_tokens)
@@ -392,7 +403,11 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
                 if work.prefill == 0:
                     work.generated += 1
         report = view.report
-        clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens + report.step_per_decode_s * decodes
+        if prefill_tokens + decodes <= report.small_step_rows:
+            clock += report.small_step_base_s + report.small_step_per_row_s * (prefill_tokens + decodes)
+        else:
+            clock += report.step_base_s + report.step_per_prefill_token_s * prefill_tokens \
+                + report.step_per_decode_s * decodes
         if target.done:
             return clock
         running = deque(work for work in running if not work.done)
@@ -408,6 +423,7 @@ def random_scenario(rng: random.Random) -> tuple[WorkerView, RouteInput]:
     for _ in range(rng.randint(0, 4)):
         queue.append(QueuedWork(False, rng.randint(1, 40), rng.randint(1, 12)))
     prompt = rng.randint(1, 60)
+    small_step_rows = rng.choice([0, rng.randint(1, 8)])
     view = make_view(
         f"s{rng.random():.6f}",
         cached_tokens=rng.choice([0, 0, rng.randint(0, prompt), prompt]),
@@ -416,6 +432,9 @@ def random_scenario(rng: random.Random) -> tuple[WorkerView, RouteInput]:
         step_base_s=rng.uniform(1e-3, 2e-2),
         step_per_prefill_token_s=rng.uniform(1e-5, 1e-3),
         step_per_decode_s=rng.uniform(1e-4, 3e-3),
+        small_step_rows=small_step_rows,
+        small_step_base_s=rng.uniform(1e-3, 2e-2),
+        small_step_per_row_s=rng.uniform(1e-4, 3e-3),
         queue=tuple(queue),
         num_running=sum(w.running for w in queue),
         num_waiting=sum(not w.running for w in queue),
@@ -447,6 +466,7 @@ def test_scenarios_exercise_waiting_for_slots_and_mixed_steps():
     assert sum(v.num_running == v.report.max_active_requests and v.num_waiting > 0 for v, _ in SCENARIOS) >= 20
     assert sum(any(w.running and w.prefill_tokens > 0 for w in v.queue) for v, _ in SCENARIOS) >= 20
     assert sum(v.cached_tokens > 0 for v, _ in SCENARIOS) >= 20
+    assert sum(v.report.small_step_rows > 0 for v, _ in SCENARIOS) >= 20
 
 
 def test_finish_time_agrees_with_step_by_step_simulation():

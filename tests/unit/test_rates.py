@@ -157,3 +157,62 @@ def test_a_window_of_zero_fits_the_calibration_alone():
     rates = tracker.rates()
     assert rates.num_observed_steps == 0
     assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
+
+
+SMALL_ROWS, SMALL_BASE, SMALL_PER_ROW = 12, 0.008, 0.0015
+
+
+def two_path_time(prefill_tokens: int, decodes: int) -> float:
+    """A device whose steps of up to SMALL_ROWS rows take another path, priced by a line of their own."""
+    rows = prefill_tokens + decodes
+    return SMALL_BASE + SMALL_PER_ROW * rows if rows <= SMALL_ROWS else step_time(prefill_tokens, decodes)
+
+
+def two_path_tracker(**kwargs) -> RateTracker:
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=32, small_step_rows=SMALL_ROWS,
+                          **kwargs)
+    for prefill_tokens, decodes in [(128, 0), (256, 0), (0, 32), (0, 1), (0, SMALL_ROWS)]:
+        tracker.add_calibration(StepSample(prefill_tokens, decodes, two_path_time(prefill_tokens, decodes)))
+    return tracker
+
+
+def test_small_steps_get_a_line_of_their_own_and_the_larger_steps_keep_theirs():
+    rates = two_path_tracker().rates()
+    assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
+    assert rates.small_step_rows == SMALL_ROWS
+    assert rates.small_step_base_s == pytest.approx(SMALL_BASE, rel=1e-6)
+    assert rates.small_step_per_row_s == pytest.approx(SMALL_PER_ROW, rel=1e-6)
+    assert rates.decode_tok_s == pytest.approx(32 / step_time(0, 32), rel=1e-6)  # 32 rows: the larger steps' path
+
+
+def test_observed_small_steps_move_only_the_small_line_and_leave_the_window_from_it():
+    tracker = two_path_tracker(window=4)
+    for _ in range(4):
+        tracker.observe(StepSample(0, 4, 2 * two_path_time(0, 4)))
+    slowed = tracker.rates()
+    assert slowed.small_step_base_s + 4 * slowed.small_step_per_row_s > two_path_time(0, 4)
+    assert_coefficients(slowed, BASE, PER_TOKEN, PER_DECODE)
+    for prefill_tokens, decodes in [(0, 2), (0, 8), (64, 4), (0, 24)]:
+        tracker.observe(StepSample(prefill_tokens, decodes, two_path_time(prefill_tokens, decodes)))
+    rates = tracker.rates()
+    assert rates.small_step_base_s == pytest.approx(SMALL_BASE, rel=1e-6)
+    assert rates.small_step_per_row_s == pytest.approx(SMALL_PER_ROW, rel=1e-6)
+    assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
+
+
+def test_without_a_small_step_measured_every_step_follows_one_model():
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=8, small_step_rows=4)
+    for prefill_tokens, decodes in [(64, 0), (256, 0), (0, 8), (16, 8)]:
+        tracker.add_calibration(sample(prefill_tokens, decodes))
+    rates = tracker.rates()
+    assert rates.small_step_rows == 0
+    assert_coefficients(rates, BASE, PER_TOKEN, PER_DECODE)
+
+
+def test_with_every_step_small_the_larger_ones_are_priced_by_the_small_line():
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=8, small_step_rows=64)
+    for decodes in (1, 8):
+        tracker.add_calibration(StepSample(0, decodes, SMALL_BASE + SMALL_PER_ROW * decodes))
+    rates = tracker.rates()
+    assert rates.step_base_s == pytest.approx(SMALL_BASE) and rates.step_per_decode_s == pytest.approx(SMALL_PER_ROW)
+    assert rates.prefill_tok_s == pytest.approx(256 / (SMALL_BASE + 256 * SMALL_PER_ROW))

@@ -24,7 +24,16 @@ def test_profile_rates_become_step_times_that_report_the_same_rates():
         assert rates.prefill_tok_s == pytest.approx(prefill) and rates.decode_tok_s == pytest.approx(decode)
         # batch 4 decode step = 4 / rate, of which 21% is the fixed cost
         assert worker.step.seconds(0, 4) == pytest.approx(4 / decode)
-        assert worker.step.base_s == pytest.approx(0.21 * 4 / decode)
+        assert worker.step.step_base_s == pytest.approx(0.21 * 4 / decode)
+
+
+def test_a_worker_with_small_steps_reports_both_lines_of_its_step_model():
+    step = StepTimeModel(0.020, 1e-4, 4e-4, small_step_rows=12, small_step_base_s=0.008, small_step_per_row_s=0.0015)
+    rates = step.fitted_rates(SchedulerConfig(max_active_requests=32, max_num_batched_tokens=256))
+    assert (rates.small_step_rows, rates.small_step_base_s, rates.small_step_per_row_s) == (
+        12, pytest.approx(0.008), pytest.approx(0.0015))
+    assert (rates.step_base_s, rates.step_per_decode_s) == (pytest.approx(0.020), pytest.approx(4e-4))
+    assert step.seconds(0, 12) == pytest.approx(0.008 + 12 * 0.0015) and step.seconds(0, 13) == pytest.approx(0.0252)
 
 
 def test_step_model_rejects_a_chunk_cheaper_than_the_fixed_cost():

@@ -230,6 +230,11 @@ class ModelRunner:
         return self._mask_timer.take_step_seconds()
 
     @property
+    def small_step_rows(self) -> int:
+        """Steps of at most this many rows read the decode copy of the weights (0: there is none)."""
+        return self.model.decode_rows
+
+    @property
     def mask_seconds_per_row(self) -> float:
         return self._mask_timer.seconds_per_row
 
