@@ -108,6 +108,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
         self.scale = self.head_dim ** -0.5
         self.cpu_kernels: CpuKernels | None = None
+        self.prefill_dtype: torch.dtype | None = None  # prefill chunks' attention in it, where not the model's
 
     def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """``cos``, ``sin``: with the CPU kernels, the whole tables [positions, head_dim], which the kernel
@@ -146,8 +147,11 @@ class Attention(nn.Module):
             else:
                 keys = k_cache.index_select(0, chunk.context_slots)
                 values = v_cache.index_select(0, chunk.context_slots)
+            queries = q[rows]
+            if self.prefill_dtype is not None:
+                queries, keys, values = queries.to(self.prefill_dtype), keys.to(self.prefill_dtype), values.to(self.prefill_dtype)
             out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),
+                queries.transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=chunk.mask,
@@ -271,9 +275,11 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
     def use_cpu_kernels(self, kernels: CpuKernels | None, decode_dtype: torch.dtype | None,
-                        batched_dtype: torch.dtype = torch.float32) -> None:
+                        batched_dtype: torch.dtype = torch.float32, prefill_attention_dtype: torch.dtype | None = None
+                        ) -> None:
         """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN in
-        ``batched_dtype`` (float32 or bfloat16), and, with ``kernels`` that take this model's head layout, run
+        ``batched_dtype`` (float32 or bfloat16), run prefill chunks' attention in ``prefill_attention_dtype``
+        (None: float32), and, with ``kernels`` that take this model's head layout, run
         norms, rotary embeddings, cache writes, activations and decode attention (the runner then passes block
         tables) through them, and, with a ``decode_dtype`` (float16 or int8), the linears of steps of few rows,
         on a copy of the weights in it; then a step of decodes alone runs all the decoder layers in one kernel
@@ -288,6 +294,8 @@ class CausalLM(nn.Module):
                     setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype, batched_dtype))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
+            if isinstance(module, Attention):
+                module.prefill_dtype = prefill_attention_dtype
         linears = [dict(zip(DecodeLayers.LINEARS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)))
                    for layer in self.layers]

@@ -44,6 +44,11 @@ def native_bfloat16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def amx_tiles() -> bool:
+    """Whether this CPU multiplies bfloat16 in AMX tiles, which torch's attention uses for bfloat16 inputs."""
+    return torch.cpu._is_amx_tile_supported()
+
+
 def resolved_batched_weights(batched_weights: str, decode_weights: str) -> str:
     """What ``batched_weights`` means on this CPU: "auto" is bfloat16 where it is native, unless the decode
     weights are float32."""
@@ -108,7 +113,9 @@ class ModelRunner:
             kernels = cpu_kernels.load()
             packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
             self.batched_dtype = getattr(torch, resolved_batched_weights(batched_weights, decode_weights))
-            self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype)
+            # bfloat16 prefill attention is 2-2.5x faster than float32 on AMX tiles, and no faster without
+            prefill_attention = torch.bfloat16 if self.batched_dtype == torch.bfloat16 and amx_tiles() else None
+            self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype, prefill_attention)
             if self.model.uses_cpu_kernels and packed_dtype is not None:
                 self.decode_dtype = packed_dtype
         self.vocab_size = config.vocab_size
