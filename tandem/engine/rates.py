@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.step_time import step_seconds
@@ -116,11 +117,9 @@ class RateTracker:
     def _fit(self) -> Rates:
         if not self._calibration and not self._observed:
             raise RuntimeError("no step has been measured yet")
-        samples = self._calibration + list(self._observed)
-        large = [s for s in samples if s.rows > self.small_step_rows]
-        small = [s for s in samples if s.rows <= self.small_step_rows]
-        base, per_token, per_decode = self._least_squares(large) if large else (0.0, 0.0, 0.0)
-        small_base, small_per_row = self._small_sums.line(small) if small else (0.0, 0.0)
+        large, small = self._sums.xtx[0][0], self._small_sums.count  # how many steps each fit holds
+        base, per_token, per_decode = self._least_squares() if large else (0.0, 0.0, 0.0)
+        small_base, small_per_row = self._small_sums.line(lambda: self._samples(small=True)) if small else (0.0, 0.0)
         if not large:  # every step measured was small: the larger ones are priced as small ones
             base, per_token, per_decode = small_base, small_per_row, small_per_row
         rates = Rates(
@@ -142,8 +141,12 @@ class RateTracker:
             prefill_tok_s=self.reference_prefill_tokens / step_seconds(rates, self.reference_prefill_tokens, 0),
             decode_tok_s=self.reference_decode_batch / step_seconds(rates, 0, self.reference_decode_batch))
 
-    def _least_squares(self, samples: list[StepSample]) -> tuple[float, float, float]:
-        """Ridge least squares for the three step-time coefficients of the larger steps (``samples``)."""
+    def _samples(self, small: bool) -> list[StepSample]:
+        """The steps in the fit of the small steps, or of the larger ones."""
+        return [s for s in (*self._calibration, *self._observed) if (s.rows <= self.small_step_rows) == small]
+
+    def _least_squares(self) -> tuple[float, float, float]:
+        """Ridge least squares for the three step-time coefficients of the larger steps."""
         xtx = [[float(value) for value in row] for row in self._sums.xtx]
         xty = [value * 1e-9 for value in self._sums.xty_ns]
         for i in range(3):
@@ -152,6 +155,7 @@ class RateTracker:
         # A coefficient fitted below zero means the data cannot tell it apart; fall back to the
         # simplest consistent model rather than report a negative cost.
         if min(coefficients) < 0:
+            samples = self._samples(small=False)
             base = min(s.seconds for s in samples)
             per_token = _mean_marginal(samples, base, lambda s: s.num_prefill_tokens)
             per_decode = _mean_marginal(samples, base, lambda s: s.num_decode_requests)
@@ -191,17 +195,18 @@ class _SmallStepSums:
         self.seconds_ns += sign * nanoseconds
         self.rows_seconds_ns += sign * sample.rows * nanoseconds
 
-    def line(self, samples: list[StepSample]) -> tuple[float, float]:
+    def line(self, samples: Callable[[], list[StepSample]]) -> tuple[float, float]:
         """(base, per row) of the least-squares line; where the steps cannot tell the slope or it falls below
-        zero, the fastest step's time and the mean marginal cost above it."""
+        zero, the fastest of ``samples()`` and the mean marginal cost above it."""
         spread = self.count * self.rows_squared - self.rows ** 2
         if spread > 0:
             per_row = (self.count * self.rows_seconds_ns - self.rows * self.seconds_ns) / spread * 1e-9
             base = (self.seconds_ns * 1e-9 - per_row * self.rows) / self.count
             if per_row >= 0 and base >= 0:
                 return base, per_row
-        base = min(s.seconds for s in samples)
-        return base, _mean_marginal(samples, base, lambda s: s.rows)
+        steps = samples()
+        base = min(s.seconds for s in steps)
+        return base, _mean_marginal(steps, base, lambda s: s.rows)
 
 
 def _mean_marginal(samples: list[StepSample], base: float, units) -> float:

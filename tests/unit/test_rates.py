@@ -216,3 +216,13 @@ def test_with_every_step_small_the_larger_ones_are_priced_by_the_small_line():
     rates = tracker.rates()
     assert rates.step_base_s == pytest.approx(SMALL_BASE) and rates.step_per_decode_s == pytest.approx(SMALL_PER_ROW)
     assert rates.prefill_tok_s == pytest.approx(256 / (SMALL_BASE + 256 * SMALL_PER_ROW))
+
+
+def test_small_steps_that_cannot_tell_a_slope_never_report_a_negative_cost():
+    tracker = RateTracker(reference_prefill_tokens=256, reference_decode_batch=32, small_step_rows=12)
+    for prefill_tokens, decodes, seconds in [(256, 0, 0.05), (0, 32, 0.04), (512, 0, 0.09),
+                                             (0, 1, 0.010), (0, 8, 0.008)]:  # 8 rows faster than 1
+        tracker.add_calibration(StepSample(prefill_tokens, decodes, seconds))
+    rates = tracker.rates()
+    assert rates.small_step_base_s == pytest.approx(0.008)
+    assert rates.small_step_per_row_s == pytest.approx(((0.010 - 0.008) / 1 + 0) / 2)  # the mean marginal cost
