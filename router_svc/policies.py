@@ -119,8 +119,9 @@ def finish_time_score(view: WorkerView, request: RouteInput) -> Score:
 
     Plays the worker's queue forward with its slots (``max_active_requests``), its per-step token
     budget and its step-time model (``tandem.step_time``): a step costs base + per_prefill_token * prefill
-    tokens + per_decode * decoding requests, or its own line where it is small enough. Unlike the cost score, this sees the wait for a free slot and
-    that a batch decodes in parallel. Outputs are the expected ones (``RouteInput``), at least one token.
+    tokens + per_decode * decoding requests, or its own line where it is small enough. Unlike the cost
+    score, this sees the wait for a free slot and that a batch decodes in parallel. Outputs are the expected
+    ones (``RouteInput``), at least one token.
 
     KV capacity: a waiting request starts only when the blocks it will take (its uncomputed prompt and
     expected output) fit beside those the running ones hold; each frees its blocks when it finishes. The

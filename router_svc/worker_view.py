@@ -49,8 +49,8 @@ class WorkerReport:
     """A worker's own report: every request it holds, its limits, its step-time model and its KV cache.
 
     ``step_*`` and ``small_step_*`` are the fitted step-time model (``tandem.step_time``), plus
-    per_constrained_row * requests with a structured output. ``kv_blocks_*`` count blocks of ``block_size`` tokens (total 0: unknown, and the policies
-    ignore KV capacity).
+    per_constrained_row * requests with a structured output. ``kv_blocks_*`` count blocks of ``block_size``
+    tokens (total 0: unknown, and the policies ignore KV capacity).
     """
 
     name: str

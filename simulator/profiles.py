@@ -55,15 +55,10 @@ class StepTimeModel:
 
     def fitted_rates(self, config: SchedulerConfig) -> Rates:
         """The rates a worker with this step model and ``config`` reports: the engine's rate fit over
-        calibration steps of the same shapes the engine measures (half and full prefill chunks, a
-        decode step of one request, of the largest small step and of a full batch)."""
+        the calibration steps the engine measures (``RateTracker.calibration_steps``)."""
         tracker = RateTracker(config.max_num_batched_tokens, config.max_active_requests,
                               small_step_rows=self.small_step_rows)
-        chunk, batch = config.max_num_batched_tokens, config.max_active_requests
-        shapes = [(max(1, chunk // 2), 0), (chunk, 0), (0, batch), (0, 1)]
-        if 1 < self.small_step_rows < batch:
-            shapes.append((0, self.small_step_rows))
-        for prefill_tokens, decodes in shapes:
+        for prefill_tokens, decodes in tracker.calibration_steps():
             tracker.add_calibration(StepSample(prefill_tokens, decodes, self.seconds(prefill_tokens, decodes)))
         return tracker.rates()
 

@@ -231,8 +231,6 @@ class LLMEngine:
         """
         rng = random.Random(0)
         vocab = self.executor.vocab_size
-        budget = self.config.max_num_batched_tokens
-        batch = self.config.max_active_requests
         counter = itertools.count()
 
         def measure(prompt_len: int, num_requests: int, step_index: int) -> StepSample:
@@ -245,12 +243,11 @@ class LLMEngine:
                 self.step(record_step=samples.append)
             return samples[step_index]
 
-        measure(min(64, budget), 1, 0)  # warm-up: first-call allocations are not a rate
+        measure(min(64, self.config.max_num_batched_tokens), 1, 0)  # warm-up: first-call allocations are not a rate
         prefill_only, first_decode = 0, 1
-        shapes = [(max(1, budget // 2), 1, prefill_only), (budget, 1, prefill_only), (16, batch, first_decode), (16, 1, first_decode)]
-        if 1 < self.executor.small_step_rows < batch:  # the largest small step, for the small steps' line
-            shapes.append((16, self.executor.small_step_rows, first_decode))
-        for shape in shapes:
+        for prefill_tokens, decodes in self.rates.calibration_steps():
+            # a prompt's prefill alone, or the first decode step of ``decodes`` requests after 16-token prompts
+            shape = (prefill_tokens, 1, prefill_only) if prefill_tokens else (16, decodes, first_decode)
             samples = [measure(*shape) for _ in range(repeats)]
             self.rates.add_calibration(min(samples, key=lambda sample: sample.seconds))
         self.reset_prefix_cache()

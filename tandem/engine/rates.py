@@ -85,6 +85,15 @@ class RateTracker:
         self._small_sums = _SmallStepSums()
         self._rates: Rates | None = None
 
+    def calibration_steps(self) -> list[tuple[int, int]]:
+        """The steps, as (prefill tokens, decodes), that calibrate the model: half and full prefill chunks, a
+        decode step of one request and of a full batch, and the largest small step where it is neither."""
+        chunk, batch = self.reference_prefill_tokens, self.reference_decode_batch
+        steps = [(max(1, chunk // 2), 0), (chunk, 0), (0, batch), (0, 1)]
+        if 1 < self.small_step_rows < batch:
+            steps.append((0, self.small_step_rows))
+        return steps
+
     def _add(self, sample: StepSample, sign: int = 1) -> None:
         if sample.rows <= self.small_step_rows:
             self._small_sums.add(sample, sign)

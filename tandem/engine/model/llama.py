@@ -149,7 +149,7 @@ class Attention(nn.Module):
                 values = v_cache.index_select(0, chunk.context_slots)
             queries = q[rows]
             if self.prefill_dtype is not None:
-                queries, keys, values = queries.to(self.prefill_dtype), keys.to(self.prefill_dtype), values.to(self.prefill_dtype)
+                queries, keys, values = (part.to(self.prefill_dtype) for part in (queries, keys, values))
             out[rows] = F.scaled_dot_product_attention(
                 queries.transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
