@@ -133,21 +133,23 @@ def running_vllm_blocker(worker, stall):
         loads = worker_state(worker).requests
         return "spent" if not loads else loads[0] if loads[0].running else None
 
+    seen = []
     for attempt in range(3):
         with blocking(worker, f"vllm-blocker-{attempt}", LONG_OUTPUT):
             wait_until(lambda: worker_state(worker).requests)
             blocker = stall.step_until(running_or_spent)
+            seen.append(blocker if blocker == "spent" else (blocker.request_id, blocker.decode_tokens))
             if blocker != "spent" and blocker.decode_tokens > LONG_OUTPUT // 2:
                 yield
                 return
-    raise AssertionError("vLLM decoded each blocker too far before its engine core stopped")
+    raise AssertionError(f"vLLM decoded each blocker too far before its engine core stopped: {seen}")
 
 
 def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
     # The Tandem blocker's 6000 steps of 50 ms outlast the vLLM blocker's on any machine, so the request first
     # waits on vLLM.
-    with blocking(workers["cpu"], "tandem-blocker", LONG_OUTPUT) as tandem_blocker, stalled(workers["gpu"]) as stall, \
+    with blocking(workers["cpu"], "tandem-blocker-1", LONG_OUTPUT) as tandem_blocker, stalled(workers["gpu"]) as stall, \
             running_vllm_blocker(workers["gpu"], stall):
         wait_for(lambda: seen_by_router(router), {"cpu": (1, 0), "gpu": (1, 0)}, 30)
         moved_once(router, tiny_llama_64, "to-tandem", "gpu", "cpu", tandem_blocker.cancel)
@@ -157,7 +159,7 @@ def test_a_request_waiting_on_the_vllm_worker_moves_to_the_freed_tandem_worker(r
 
 def test_a_request_waiting_on_the_tandem_worker_moves_to_the_freed_vllm_worker(replacing_stack, tiny_llama_64):
     router, workers = replacing_stack
-    with blocking(workers["cpu"], "tandem-blocker", 400), contextlib.ExitStack() as stall:  # 20 s
+    with blocking(workers["cpu"], "tandem-blocker-2", 400), contextlib.ExitStack() as stall:  # 20 s
         stall.enter_context(stalled(workers["gpu"]))
         vllm_blockers = [stall.enter_context(blocking(workers["gpu"], f"vllm-blocker-{i}", LONG_OUTPUT))
                          for i in range(12)]

@@ -168,12 +168,14 @@ class Stall:
             os.kill(pid, number)
 
     def pulse(self, seconds: float) -> None:
-        """Let the children run for about ``seconds``: timed by a shell of its own, which a busy test process
-        (its threads, the GIL) cannot hold back while the children run on."""
+        """Let the children run for about ``seconds``: timed by a shell of its own at a real-time priority, which
+        neither a busy test process (its threads, the GIL) nor a loaded machine can hold back while the children
+        run on (the scheduler left an ordinary one waiting for seconds)."""
         if not self.children:
             return time.sleep(seconds)
         pids = " ".join(map(str, self.children))
-        subprocess.run(["sh", "-c", f"kill -CONT {pids}; sleep {seconds}; kill -STOP {pids}"], check=True)
+        subprocess.run(["chrt", "--fifo", "1", "sh", "-c", f"kill -CONT {pids}; sleep {seconds}; kill -STOP {pids}"],
+                       check=True)
 
     def step_until(self, predicate, pulse_s: float = 0.005, timeout: float = 30.0):
         """Let the children run for pulses of ``pulse_s`` until ``predicate`` holds with them stopped again (a
