@@ -2,7 +2,8 @@
 (30 layers and the output head, each with its own weights, so nothing stays in cache), multiplied by
 1 to 32 rows, as oneDNN's packed fp32, float16 through Tandem's kernel (tandem/engine/model/cpu_kernels.c;
 the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), int8 through
-the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default), bf16
+the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default; per 32
+columns through each narrower build too: AVX-512 and AVX2 on an AMX CPU), bf16
 through F.linear, and int8 through torch's int8 kernel.
 
 It reports the most rows at which the default format (int8 in groups of ``INT8_GROUP``) beats packed fp32.
@@ -58,6 +59,7 @@ def main() -> None:
     weights = [torch.randn(shape) * 0.02 for shape in shapes]
     f16 = [kernels.pack(w, torch.float16) for w in weights]
     f16_narrower = {other: [other.pack(w, torch.float16) for w in weights] for other in narrower}
+    int8_narrower = {other: [other.pack(w, torch.int8) for w in weights] for other in narrower}
     int8_kernel = {group: [kernels.pack(w, torch.int8, group) for w in weights] for group in INT8_GROUPS}
     bf16 = [w.bfloat16() for w in weights]
     scales = [w.abs().amax(1) / 127 for w in weights]
@@ -77,6 +79,9 @@ def main() -> None:
             **{f"int8_kernel_{'row' if group is None else f'g{group}'}":
                lambda group=group: [kernels.linear(inputs[w.in_features], w, None) for w in int8_kernel[group]]
                for group in INT8_GROUPS},
+            **{f"int8_kernel_g{cpu_kernels.INT8_GROUP}_{other.isa}":
+               lambda other=other: [other.linear(inputs[w.in_features], w, None) for w in int8_narrower[other]]
+               for other in narrower},
             "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
             "int8": lambda: [torch._weight_int8pack_mm(inputs[s[1]], w, scale) for w, s, scale in zip(int8, shapes, scales)],
         }

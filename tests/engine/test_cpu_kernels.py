@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 @pytest.fixture(scope="module", params=cpu_kernels.usable_isas() or ["none"])
 def kernels(request):
-    """Each build this CPU runs: AVX2, and AVX-512 where the CPU has it."""
+    """Each build this CPU runs: AVX2, AVX-512 where the CPU has it, and AMX where it has AMX tiles."""
     built = None if request.param == "none" else cpu_kernels.load(request.param)
     if built is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
@@ -49,7 +49,9 @@ def test_few_row_steps_read_the_int8_copy_with_a_scale_per_group(kernels):
     linear = nn.Linear(64, 7)
     packed = PackedLinear(linear, kernels, torch.int8, decode_rows=3)
     assert packed.decode_weight.group == INT8_GROUP == 32
-    assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == 9 * 64 + 9 * 2 * 4
+    padded = kernels.int8_block_rows or 9  # the AMX layout pads to its blocks and writes each scale twice
+    scales_per_row = 2 * (2 if kernels.int8_block_rows else 1)
+    assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == padded * (64 + scales_per_row * 4)
     groups = linear.weight.view(7, 2, 32)
     scales = groups.abs().amax(dim=2, keepdim=True) / 127
     dequantized = (torch.round(groups / scales) * scales).view(7, 64)
@@ -59,7 +61,13 @@ def test_few_row_steps_read_the_int8_copy_with_a_scale_per_group(kernels):
 
 
 def unpacked(packed):
-    """The [out, in] weight that ``pack`` laid out in tiles, scaled back where it is int8."""
+    """The [out, in] weight that ``pack`` laid out in tiles (or the AMX build's blocks), scaled back where it is
+    int8."""
+    if packed.data.dim() == 6:  # [passes][groups of 32 columns][blocks][column pairs][16 rows][2]
+        passes, depth, blocks = packed.data.shape[:3]
+        rows = packed.data.permute(0, 2, 4, 1, 3, 5).reshape(-1, packed.in_features).double()
+        scales = packed.scales.view(passes, depth, blocks, 16, 2)[..., 0].permute(0, 2, 3, 1).reshape(-1, depth)
+        return (rows * scales.double().repeat_interleave(32, dim=1))[:packed.out_features]
     rows = packed.data.transpose(1, 2).reshape(-1, packed.in_features).double()
     if packed.scales is not None:
         groups = packed.scales.shape[1]
@@ -74,6 +82,10 @@ def unpacked(packed):
     for dtype, group in [(torch.float16, None), (torch.int8, None), (torch.int8, 16), (torch.int8, 32)]
     for shape in [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64)] if group is None or shape[1] % group == 0])
 def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, group, rows, width, outputs):
+    """In float32, but for the AMX build's int8 steps of ``amx_min_rows`` rows or more: there the tiles multiply
+    the rows and the scaled weights rounded to bfloat16, summing in float32."""
+    if not kernels.packs(width, dtype, group):
+        pytest.skip(f"the {kernels.isa} build packs no {dtype} weights {width} wide in groups of {group}")
     torch.manual_seed(rows)
     x, weight, bias = torch.randn(rows, width), torch.randn(outputs, width), torch.randn(outputs)
     packed = kernels.pack(weight.half() if dtype == torch.float16 else weight, dtype, group)
@@ -84,9 +96,19 @@ def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, gro
         grouped = weight.view(outputs, -1, group or width)
         error = (unpacked(packed).float() - weight).view(grouped.shape).abs()
         assert (error <= grouped.abs().amax(dim=2, keepdim=True) / 254 + 1e-6).all()
-    expected = F.linear(x.double(), unpacked(packed), bias.double()).float()
+    weight_used, x_used = unpacked(packed), x.double()
+    if dtype == torch.int8 and kernels.amx_min_rows and rows >= kernels.amx_min_rows:
+        weight_used, x_used = weight_used.bfloat16().double(), x.bfloat16().double()
+    expected = F.linear(x_used, weight_used, bias.double()).float()
     torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernels.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-4)
+
+
+def test_a_step_without_rows_gets_an_empty_output(kernels):
+    """As the output head of a step whose prefill chunks end no prompt."""
+    for dtype in (torch.float16, torch.int8):
+        packed = kernels.pack(torch.randn(64, 64), dtype)
+        assert kernels.linear(torch.empty(0, 64), packed, None).shape == (0, 64)
 
 
 def test_linear_and_pack_name_what_they_were_given_wrong(kernels):
@@ -151,7 +173,23 @@ def test_a_machine_that_cannot_build_them_runs_on_torch_ops(kernels, fresh_load,
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert fresh_load(kernels.isa) is None
-    assert "could not build the CPU kernels" in caplog.text
+    assert f"could not build or load the {kernels.isa} CPU kernels" in caplog.text
+
+
+def test_a_build_that_does_not_load_leaves_the_next_widest(fresh_load, monkeypatch):
+    """As where Linux refuses a process the AMX tile state."""
+    usable = cpu_kernels.usable_isas()
+    if len(usable) < 2:
+        pytest.skip("this CPU runs one build of the kernels")
+    loads = cpu_kernels.CpuKernels
+
+    def refusing_the_widest(library, isa):
+        if isa == usable[0]:
+            raise OSError("Linux did not grant this process the AMX tile state")
+        return loads(library, isa)
+
+    monkeypatch.setattr(cpu_kernels, "CpuKernels", refusing_the_widest)
+    assert fresh_load().isa == usable[1]
 
 
 def test_a_library_built_ahead_loads_without_a_compiler(kernels, fresh_load, monkeypatch):

@@ -48,6 +48,7 @@ PROMPTS = [
 NEW_TOKENS = 64
 LOW_PRECISION = ("float16", "int8")
 CHUNK = 256
+SMALL_STEP = 16  # rows of a wide decode step: the decode copy's path where decode_rows reaches it
 
 
 def engine_with(decode_weights: str):
@@ -74,9 +75,9 @@ def measured():
         engine = engine_with(decode_weights)
         assert engine.executor.decode_dtype == getattr(torch, decode_weights), "the CPU kernels did not load"
         sequences = [engine.tokenizer.encode(text) for text in (TEXT, *PROMPTS)]
-        one_row, chunked = (torch.cat([teacher_forced_logprobs(engine.executor, tokens, rows)
-                                       for tokens in sequences]) for rows in (1, CHUNK))
-        results[decode_weights] = (one_row, chunked, greedy_continuations(engine))
+        one_row, chunked, small_steps = (torch.cat([teacher_forced_logprobs(engine.executor, tokens, rows)
+                                                    for tokens in sequences]) for rows in (1, CHUNK, SMALL_STEP))
+        results[decode_weights] = (one_row, chunked, greedy_continuations(engine), small_steps)
         del engine
     targets = torch.tensor([token for tokens in sequences for token in tokens[1:]])
     return results, targets
@@ -105,6 +106,15 @@ def test_bfloat16_batched_weights_pass_the_gate_in_prefill_chunks(measured):
     assert float32_chunked.mean_kl < 1e-6  # float32 scores the same in chunks as one position a step
     quality = Quality.of(results["float32"][0], results["int8"][1], targets)
     print(f"bfloat16 batched weights in chunks of {CHUNK} against float32: {quality.summary()}")
+    gated(quality)
+
+
+def test_int8_decode_weights_pass_the_gate_in_steps_of_many_rows(measured):
+    """Steps of ``SMALL_STEP`` rows take the path such a step takes here: the int8 copy where ``decode_rows``
+    reaches them (in the AMX build, multiplied in bfloat16 tiles), else the batched weights."""
+    results, targets = measured
+    quality = Quality.of(results["float32"][0], results["int8"][3], targets)
+    print(f"int8 decode weights in steps of {SMALL_STEP} rows against float32: {quality.summary()}")
     gated(quality)
 
 

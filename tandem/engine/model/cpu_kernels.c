@@ -9,7 +9,8 @@
  * their group's scale, and every product and sum is float32. The weight rows are cut into tiles of TILE_N rows,
  * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass
  * over it. Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and
- * the weights are packed for that width.
+ * the weights are packed for that width. Built with AMX (-mamx-bf16), int8 weights take a layout of their
+ * own and steps of many rows multiply in tiles (amx_linear below).
  *
  * tandem_decode_attention: one query token per sequence against its context in the paged KV cache,
  * read in place through the sequence's block table: one pass over the keys and values with an online
@@ -157,6 +158,200 @@ static inline __attribute__((always_inline)) void tile_all_rows(
 #undef REMAINING
 }
 
+#ifdef __AMX_BF16__
+/* The AMX build's int8 weights: AMX tiles multiply bfloat16 and accumulate float32, 16 rows × 16 columns
+ * × 32 products per instruction, so a step of many rows costs little more than one of a single row: the
+ * work is widening the weights. Weight rows go in passes of AMX_BLOCKS blocks of 16; a pass is laid out
+ * group of 32 columns (a tile's depth) by group, each group as its blocks one after the other, each block
+ * [16 column pairs][16 weight rows][2] int8, the tiles' own order, so that a pass reads one stream. The
+ * float32 scales, one per weight row and group, are written twice to match: [groups][blocks][16][2]. A
+ * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer; the rows x
+ * are rounded to bfloat16 once per call, 16 at a time, and each tile of them meets AMX_BLOCKS blocks. */
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16
+#define AMX_BLOCKS 2
+#define AMX_MIN_ROWS 4 /* fewer rows run through FMAs (few_rows_pass) */
+#define AMX_PREFETCH_BYTES 32768
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int tandem_linear_int8_block_rows(void)
+{
+    return AMX_ROWS * AMX_BLOCKS;
+}
+
+int tandem_linear_amx_min_rows(void)
+{
+    return AMX_MIN_ROWS;
+}
+
+/* Asks Linux for the tile state, once per process; 0 where granted. */
+int tandem_amx_init(void)
+{
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tiles 0, 1: sums; 2: rows of x; 3, 4: widened weights; all 16 rows of 64 bytes */
+static void configure_tiles(void)
+{
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.rows[t] = AMX_ROWS;
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+static inline void widen_group(const int8_t *w, const float *scales, uint16_t *tile)
+{
+    __m512 low_scales = _mm512_loadu_ps(scales), high_scales = _mm512_loadu_ps(scales + 16);
+    for (int pair = 0; pair < 16; pair++) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)(w + pair * 32));
+        __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), low_scales);
+        __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
+                                    high_scales);
+        _mm512_store_si512((void *)(tile + pair * 32), (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+}
+
+/* A step of fewer than AMX_MIN_ROWS rows is bound by reading the weights, and a tile would mostly multiply
+ * padding: these rows take the same layout through float32 FMAs instead, each weight pair of a row against
+ * the two columns of x it multiplies, every product and sum in float32, the scale applied per group. */
+static inline __attribute__((always_inline)) void few_rows_pass(
+    const float *x, int rows_m, int64_t k_size, const int8_t *w, const float *scales, float sums[][32])
+{
+    __m512 acc[AMX_MIN_ROWS - 1][AMX_BLOCKS][2];
+    for (int m = 0; m < rows_m; m++)
+        for (int b = 0; b < AMX_BLOCKS; b++)
+            acc[m][b][0] = acc[m][b][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < k_size / 32; g++) {
+        const int8_t *wg = w + g * AMX_BLOCKS * 512;
+        for (int line = 0; line < AMX_BLOCKS * 512; line += 64)
+            _mm_prefetch((const char *)wg + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);
+        for (int b = 0; b < AMX_BLOCKS; b++) {
+            __m512 group_acc[AMX_MIN_ROWS - 1][2];
+            for (int m = 0; m < rows_m; m++)
+                group_acc[m][0] = group_acc[m][1] = _mm512_setzero_ps();
+            for (int pair = 0; pair < 16; pair++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(wg + b * 512 + pair * 32));
+                __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+                __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+                for (int m = 0; m < rows_m; m++) {
+                    double columns;
+                    memcpy(&columns, x + m * k_size + g * 32 + pair * 2, sizeof columns);
+                    __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(columns));
+                    group_acc[m][0] = _mm512_fmadd_ps(low, xv, group_acc[m][0]);
+                    group_acc[m][1] = _mm512_fmadd_ps(high, xv, group_acc[m][1]);
+                }
+            }
+            const float *sg = scales + (g * AMX_BLOCKS + b) * 32;
+            for (int m = 0; m < rows_m; m++) {
+                acc[m][b][0] = _mm512_fmadd_ps(group_acc[m][0], _mm512_loadu_ps(sg), acc[m][b][0]);
+                acc[m][b][1] = _mm512_fmadd_ps(group_acc[m][1], _mm512_loadu_ps(sg + 16), acc[m][b][1]);
+            }
+        }
+    }
+    for (int m = 0; m < rows_m; m++)
+        for (int b = 0; b < AMX_BLOCKS; b++)
+            for (int h = 0; h < 2; h++) {
+                /* lanes hold (weight row, column of the pair): add each pair's two, keep one of each */
+                __m512 v = acc[m][b][h];
+                __m512 pairs = _mm512_maskz_compress_ps(0x5555, _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1)));
+                _mm256_storeu_ps(sums[m] + b * 16 + h * 8, _mm512_castps512_ps256(pairs));
+            }
+}
+
+static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_t *w, const float *scales,
+                       int64_t n_size, const float *bias, float *y, int threads)
+{
+    int64_t groups = k_size / 32, padded_rows = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    int64_t passes = (n_size + AMX_ROWS * AMX_BLOCKS - 1) / (AMX_ROWS * AMX_BLOCKS);
+    if (rows == 0)
+        return;
+    if (rows < AMX_MIN_ROWS) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t p = 0; p < passes; p++) {
+            int64_t n = p * AMX_ROWS * AMX_BLOCKS;
+            int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
+            float sums[AMX_MIN_ROWS - 1][32];
+            const int8_t *wp = w + n * k_size;
+            const float *sp = scales + n * groups * 2;
+            switch (rows) {
+            case 1: few_rows_pass(x, 1, k_size, wp, sp, sums); break;
+            case 2: few_rows_pass(x, 2, k_size, wp, sp, sums); break;
+            default: few_rows_pass(x, 3, k_size, wp, sp, sums); break;
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int c = 0; c < columns; c++)
+                    y[r * n_size + n + c] = bias ? sums[r][c] + bias[n + c] : sums[r][c];
+        }
+        return;
+    }
+    uint16_t *xb = aligned_alloc(64, padded_rows * k_size * 2);
+    for (int64_t m = 0; m < padded_rows; m++)
+        for (int64_t k = 0; k < k_size; k += 16) {
+            __m512 v = m < rows ? _mm512_loadu_ps(x + m * k_size + k) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(xb + m * k_size + k), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+#pragma omp parallel num_threads(threads)
+    {
+        __attribute__((aligned(64))) uint16_t widened[AMX_BLOCKS][16 * 32];
+        __attribute__((aligned(64))) float sums[AMX_ROWS][AMX_ROWS * AMX_BLOCKS];
+        configure_tiles();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < passes; p++) {
+            int64_t n = p * AMX_ROWS * AMX_BLOCKS;
+            int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
+            const int8_t *wp = w + n * k_size;
+            const float *sp = scales + n * groups * 2;
+            for (int64_t m = 0; m < padded_rows; m += AMX_ROWS) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t g = 0; g < groups; g++) {
+                    const int8_t *wg = wp + g * AMX_BLOCKS * 512;
+                    for (int line = 0; line < AMX_BLOCKS * 512; line += 64)
+                        _mm_prefetch((const char *)wg + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);
+                    for (int b = 0; b < AMX_BLOCKS; b++)
+                        widen_group(wg + b * 512, sp + (g * AMX_BLOCKS + b) * 32, widened[b]);
+                    _tile_loadd(2, xb + m * k_size + g * 32, k_size * 2);
+                    _tile_loadd(3, widened[0], 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_loadd(4, widened[1], 64);
+                    _tile_dpbf16ps(1, 2, 4);
+                }
+                _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
+                _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+                for (int64_t r = 0; r < AMX_ROWS && m + r < rows; r++)
+                    for (int c = 0; c < columns; c++)
+                        y[(m + r) * n_size + n + c] = bias ? sums[r][c] + bias[n + c] : sums[r][c];
+            }
+        }
+    }
+    free(xb);
+}
+#else
+int tandem_linear_int8_block_rows(void)
+{
+    return 0;
+}
+
+int tandem_linear_amx_min_rows(void)
+{
+    return 0;
+}
+#endif
+
 /* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] weights:
  * float16 bits where scales is NULL, else int8 with a float32 scale per `group` columns (a multiple of
  * CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
@@ -166,6 +361,10 @@ void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, 
                    int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
+#ifdef __AMX_BF16__
+    if (scales)
+        return amx_linear(x, rows, k_size, w, scales, n_size, bias, y, threads);
+#endif
     if (scales) {
         group = group ? group : k_size;
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -2,14 +2,16 @@
 
 - ``linear``: rows times a float16 weight (half the bytes of a float32 weight) or an int8 weight with a
   scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), packed by ``pack``, in float32
-  arithmetic;
+  arithmetic; in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
+  with float32 sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
 - ``decode_layers``: all the decoder layers of a step of decodes in one call.
 
 The C source ships with the package. It is compiled with the system C compiler into
-``$TANDEM_HOME/kernels`` once per source and instruction set (AVX2, or AVX-512 where the CPU has it;
+``$TANDEM_HOME/kernels`` once per source and instruction set (AVX2, or AVX-512 where the CPU has it, or
+AMX where it has AMX tiles;
 ``tandem provision`` builds every one this CPU runs ahead of time, so a machine without a compiler can
 run a library built there), then loaded with ctypes, which releases the GIL for the call. ``load()`` returns None, and says why in the log, where the kernels cannot run: not
 an x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a working C compiler.
@@ -44,7 +46,10 @@ CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # teacher-forced quality gate (tests/engine/test_quality.py), a scale per row fails (top-1 agreement) and
 # per 64 columns passes with less margin; `make bench-weights` times all three alike.
 INT8_GROUP = 32
-ISAS = {"avx512": (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl")),
+_AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl"))
+ISAS = {"amx": (_AVX512[0] | {"avx512_bf16", "amx_tile", "amx_bf16"},
+                (*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+        "avx512": _AVX512,
         "avx2": (frozenset(), ())}
 
 
@@ -59,6 +64,12 @@ class CpuKernels:
         self._linear.restype = None
         self.tile_rows = c.tandem_linear_tile_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
+        # weight rows per block of the AMX build's int8 layout (0: int8 is tiled as float16 is), and the fewest
+        # rows it multiplies in AMX tiles, in bfloat16 (0: none; fewer rows stay float32)
+        self.int8_block_rows = c.tandem_linear_int8_block_rows()
+        self.amx_min_rows = c.tandem_linear_amx_min_rows()
+        if self.int8_block_rows and c.tandem_amx_init() != 0:
+            raise OSError("Linux did not grant this process the AMX tile state")
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
@@ -87,6 +98,8 @@ class CpuKernels:
         if not self.packs(width, dtype, group):
             raise ValueError(f"pack needs rows a multiple of {self.chunk} wide, and int8 scale groups a multiple of "
                              f"{self.chunk} that divides them; got rows {width} wide, groups of {group}")
+        if dtype == torch.int8 and self.int8_block_rows:
+            return self._pack_int8_blocks(weight, group)
         padded_rows = -(-rows // self.tile_rows) * self.tile_rows
         scales = None
         if dtype == torch.int8:
@@ -104,10 +117,28 @@ class CpuKernels:
         data = padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
         return PackedWeight(data, scales, rows, width, group)
 
+    def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
+        """The AMX build's int8 layout (see ``amx_linear`` in cpu_kernels.c): blocks of 16 weight rows, each
+        group of 32 columns as [16 column pairs][16 rows][2], and a scale per row and 32 columns, twice."""
+        rows, width = weight.shape
+        padded_rows = -(-rows // self.int8_block_rows) * self.int8_block_rows
+        group = group or width
+        padded = torch.zeros(padded_rows, width)
+        padded[:rows] = weight.float()
+        grouped = padded.view(padded_rows, width // group, group)
+        scales = grouped.abs().amax(dim=2) / 127
+        quantized = torch.round(grouped / scales[:, :, None].clamp_min(torch.finfo(torch.float32).tiny))
+        passes, per_pass, depth = padded_rows // self.int8_block_rows, self.int8_block_rows // 16, width // 32
+        data = quantized.to(torch.int8).view(passes, per_pass, 16, depth, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        per_depth = scales.repeat_interleave(group // 32, dim=1)  # [rows, width / 32]
+        scales = per_depth.view(passes, per_pass, 16, depth).permute(0, 3, 1, 2).repeat_interleave(2, dim=3).contiguous()
+        return PackedWeight(data, scales, rows, width, group)
+
     def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:
         """Whether ``pack`` takes a weight of rows ``width`` wide into ``dtype`` (int8 in scale groups of ``group``)."""
-        return width % self.chunk == 0 and (dtype != torch.int8 or group is None
-                                            or (group % self.chunk == 0 and width % group == 0))
+        step = 32 if dtype == torch.int8 and self.int8_block_rows else self.chunk
+        return width % step == 0 and (dtype != torch.int8 or group is None
+                                      or (group % step == 0 and width % group == 0))
 
     def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None) -> torch.Tensor:
         """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``weight`` from ``pack``."""
@@ -327,15 +358,16 @@ def load(isa: str | None = None) -> CpuKernels | None:
     if compiler is None and not built:
         logger.warning("the CPU kernels need a C compiler (cc, gcc or $CC); decode steps use torch's ops")
         return None
-    chosen = candidates[0] if compiler is not None else built[0]
-    try:
-        if not _library(chosen).exists():
-            _build(compiler, _flags(chosen), _library(chosen))
-        return CpuKernels(_library(chosen), chosen)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        logger.warning("could not build the CPU kernels with %s (%s); decode steps use torch's ops", compiler, detail)
-        return None
+    for chosen in candidates if compiler is not None else built:  # the widest that builds and loads
+        try:
+            if not _library(chosen).exists():
+                _build(compiler, _flags(chosen), _library(chosen))
+            return CpuKernels(_library(chosen), chosen)
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", None) or error
+            logger.warning("could not build or load the %s CPU kernels with %s (%s)", chosen, compiler, detail)
+    logger.warning("no build of the CPU kernels loads here; decode steps use torch's ops")
+    return None
 
 
 def _flags(isa: str) -> tuple[str, ...]:
