@@ -272,6 +272,15 @@ static inline __attribute__((always_inline)) void few_rows_pass(
             }
 }
 
+/* The first `columns` sums of a pass's rows m < rows (of `stride` floats each) into y from column n, plus bias. */
+static inline void store_pass(const float *sums, int64_t stride, int64_t rows, int columns, const float *bias,
+                              float *y, int64_t n_size, int64_t n)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < columns; c++)
+            y[r * n_size + n + c] = bias ? sums[r * stride + c] + bias[n + c] : sums[r * stride + c];
+}
+
 static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_t *w, const float *scales,
                        int64_t n_size, const float *bias, float *y, int threads)
 {
@@ -292,9 +301,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
             case 2: few_rows_pass(x, 2, k_size, wp, sp, sums); break;
             default: few_rows_pass(x, 3, k_size, wp, sp, sums); break;
             }
-            for (int64_t r = 0; r < rows; r++)
-                for (int c = 0; c < columns; c++)
-                    y[r * n_size + n + c] = bias ? sums[r][c] + bias[n + c] : sums[r][c];
+            store_pass(&sums[0][0], 32, rows, columns, bias, y, n_size, n);
         }
         return;
     }
@@ -332,9 +339,8 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
                 }
                 _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
                 _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
-                for (int64_t r = 0; r < AMX_ROWS && m + r < rows; r++)
-                    for (int c = 0; c < columns; c++)
-                        y[(m + r) * n_size + n + c] = bias ? sums[r][c] + bias[n + c] : sums[r][c];
+                int64_t rows_here = rows - m < AMX_ROWS ? rows - m : AMX_ROWS;
+                store_pass(&sums[0][0], AMX_ROWS * AMX_BLOCKS, rows_here, columns, bias, y + m * n_size, n_size, n);
             }
         }
     }
