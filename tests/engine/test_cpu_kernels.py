@@ -320,6 +320,17 @@ def test_silu_and_mul_matches_torch_over_the_whole_range(kernels, rows, size):
     torch.testing.assert_close(kernels.silu_and_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-5)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("rows, size", [(1, 1536), (17, 13)])
+def test_silu_and_mul_on_bfloat16_rounds_the_float32_result_as_torch_does(kernels, rows, size):
+    torch.manual_seed(size)
+    gate_up = (torch.randn(rows, 2 * size) * 30).bfloat16()
+    widened = kernels.silu_and_mul(gate_up.float())
+    rounded = kernels.silu_and_mul(gate_up)
+    assert rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded, widened.bfloat16())
+
+
 def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
     with pytest.raises(ValueError, match="contiguous float32"):
         kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))

@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TILE_N 3
 /* How far ahead of its reads tandem_linear prefetches the weights: left to the hardware prefetcher,
@@ -167,7 +168,6 @@ static inline __attribute__((always_inline)) void tile_all_rows(
  * float32 scales, one per weight row and group, are written twice to match: [groups][blocks][16][2]. A
  * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer; the rows x
  * are rounded to bfloat16 once per call, 16 at a time, and each tile of them meets AMX_BLOCKS blocks. */
-#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -772,6 +772,15 @@ void tandem_rope_and_cache(float *qkv, int64_t tokens, int64_t num_heads, int64_
     }
 }
 
+static inline __m256 silu_and_mul8(__m256 g, __m256 u)
+{
+    /* sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below */
+    __m256 e = exp_nonpositive(_mm256_or_ps(_mm256_set1_ps(-0.0f), g));
+    __m256 one = _mm256_set1_ps(1.0f);
+    __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
+}
+
 /* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row). */
 void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float *out, int threads)
 {
@@ -779,16 +788,57 @@ void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * size, *up = gate + size;
         int64_t i = 0;
-        for (; i + 8 <= size; i += 8) {
-            __m256 g = _mm256_loadu_ps(gate + i);
-            /* sigmoid(g) from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0, e / (1 + e) below */
-            __m256 e = exp_nonpositive(_mm256_or_ps(_mm256_set1_ps(-0.0f), g));
-            __m256 one = _mm256_set1_ps(1.0f);
-            __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
-            _mm256_storeu_ps(out + r * size + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
-        }
+        for (; i + 8 <= size; i += 8)
+            _mm256_storeu_ps(out + r * size + i, silu_and_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
         for (; i < size; i++)
             out[r * size + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+static inline __m256 widen_bf16x8(const uint16_t *p)
+{
+    __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
+/* Rounded to nearest, ties to even, as torch rounds float32 to bfloat16 (NaN aside). */
+static inline __m128i round_to_bf16x8(__m256 v)
+{
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+static inline float widen_bf16(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_to_bf16(float f)
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* tandem_silu_and_mul on bfloat16 rows: computed in float32, the result rounded to bfloat16. */
+void tandem_silu_and_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t size, uint16_t *out, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * size, *up = gate + size;
+        int64_t i = 0;
+        for (; i + 8 <= size; i += 8)
+            _mm_storeu_si128((__m128i *)(out + r * size + i),
+                             round_to_bf16x8(silu_and_mul8(widen_bf16x8(gate + i), widen_bf16x8(up + i))));
+        for (; i < size; i++) {
+            float g = widen_bf16(gate[i]);
+            out[r * size + i] = round_to_bf16(g / (1.0f + expf(-g)) * widen_bf16(up[i]));
+        }
     }
 }
 

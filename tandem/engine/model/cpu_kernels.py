@@ -83,6 +83,9 @@ class CpuKernels:
         self._silu_and_mul = c.tandem_silu_and_mul
         self._silu_and_mul.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
         self._silu_and_mul.restype = None
+        self._silu_and_mul_bf16 = c.tandem_silu_and_mul_bf16
+        self._silu_and_mul_bf16.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+        self._silu_and_mul_bf16.restype = None
         self._decode_layers = c.tandem_decode_layers
         self._decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
                                         i64, ptr, ctypes.c_int]
@@ -195,9 +198,14 @@ class CpuKernels:
                              v_cache.data_ptr(), torch.get_num_threads())
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate_up`` [rows, 2 · size], gate then up in each row."""
-        _check_float32(gate_up)
+        """``silu(gate) * up`` for ``gate_up`` [rows, 2 · size], gate then up in each row: float32, or
+        bfloat16 computed in float32 and rounded back."""
         rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+        if gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous() and gate_up.is_cpu:
+            out = torch.empty(rows, size, dtype=torch.bfloat16)
+            self._silu_and_mul_bf16(gate_up.data_ptr(), rows, size, out.data_ptr(), torch.get_num_threads())
+            return out
+        _check_float32(gate_up)
         out = torch.empty(rows, size, dtype=torch.float32)
         self._silu_and_mul(gate_up.data_ptr(), rows, size, out.data_ptr(), torch.get_num_threads())
         return out

@@ -172,9 +172,9 @@ class MLP(nn.Module):
         self.cpu_kernels: CpuKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
         if self.cpu_kernels is not None:
-            return self.down_proj(self.cpu_kernels.silu_and_mul(gate_up))
+            return self.down_proj(self.cpu_kernels.silu_and_mul(self.gate_up_proj.product(x)))
+        gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -359,9 +359,14 @@ class PackedLinear(nn.Module):
         self.decode_weight = None if self.decode_kernels is None else self.decode_kernels.pack(weight, decode_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x).float()
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias``: in bfloat16 where the step multiplies bfloat16 batched weights without a
+        bias, else in float32. ``x`` may be bfloat16 there too."""
         if self.decode_kernels is not None and x.shape[0] <= self.decode_rows:
             return self.decode_kernels.linear(x, self.decode_weight, self.bias)
         if self.batched_dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.batched_dtype), self.packed_weight, None, "none", [], "")
-        return y.float() if self.bias is None else y.float() + self.bias
+        return y if self.bias is None else y.float() + self.bias
