@@ -4,8 +4,8 @@
  * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w.
  * A decode step multiplies every weight matrix by a handful of rows, so it is bound by reading the
  * weights. Stored as float16 they are half the bytes of float32, as int8 a quarter plus their scales:
- * each group of `group` consecutive weights of a row is scaled to ±127, its scale kept as a float32 (a
- * group of a whole row is one scale per row). They are widened to float32 in registers and multiplied by
+ * each group of `group` consecutive weights of a row is scaled to ±127, its scale kept as a float16, as
+ * llama.cpp's Q8_0 keeps it (a group of a whole row is one scale per row). They are widened to float32 in registers and multiplied by
  * their group's scale, and every product and sum is float32. The weight rows are cut into tiles of TILE_N rows,
  * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass
  * over it. Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and
@@ -98,7 +98,7 @@ int tandem_linear_chunk(void)
  * registers and each weight format gets its own loop. The tile's scales are [k_size / group][TILE_N].
  * Writes the first `columns` of the tile's TILE_N outputs. */
 static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t k_size, const void *w, int int8, const float *scales, int64_t group,
+    const float *x, int64_t k_size, const void *w, int int8, const uint16_t *scales, int64_t group,
     const float *bias, float *y, int64_t ldy, int rows_m, int columns)
 {
     chunk_vector acc[TILE_M][TILE_N];
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void tile(
         chunk_vector scale[TILE_N];
         if (int8)
             for (int n = 0; n < TILE_N; n++)
-                scale[n] = chunk_set1(scales[start / group * TILE_N + n]);
+                scale[n] = chunk_set1(_cvtsh_ss(scales[start / group * TILE_N + n]));
         for (int64_t k = start; k < start + group; k += CHUNK) {
             chunk_vector wv[TILE_N];
             const char *next = (const char *)w + k * TILE_N * (int8 ? 1 : 2);
@@ -136,13 +136,14 @@ static inline __attribute__((always_inline)) void tile(
 
 /* Every row of x against tile t. */
 static inline __attribute__((always_inline)) void tile_all_rows(
-    const float *x, int64_t rows, int64_t k_size, const void *w, int int8, const float *scales, int64_t group,
+    const float *x, int64_t rows, int64_t k_size, const void *w, int int8, const uint16_t *scales, int64_t group,
     int64_t n_size, const float *bias, float *y, int64_t t)
 {
     int64_t n = t * TILE_N;
     int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
     const void *wt = (const char *)w + n * k_size * (int8 ? 1 : 2);
-    const float *st = int8 ? scales + n * (k_size / group) : 0, *bt = bias ? bias + n : 0;
+    const uint16_t *st = int8 ? scales + n * (k_size / group) : 0;
+    const float *bt = bias ? bias + n : 0;
     int64_t m = 0;
     for (; m + TILE_M <= rows; m += TILE_M)
         tile(x + m * k_size, k_size, wt, int8, st, group, bt, y + m * n_size + n, n_size, TILE_M, columns);
@@ -165,7 +166,7 @@ static inline __attribute__((always_inline)) void tile_all_rows(
  * work is widening the weights. Weight rows go in passes of AMX_BLOCKS blocks of 16; a pass is laid out
  * group of 32 columns (a tile's depth) by group, each group as its blocks one after the other, each block
  * [16 column pairs][16 weight rows][2] int8, the tiles' own order, so that a pass reads one stream. The
- * float32 scales, one per weight row and group, are written twice to match: [groups][blocks][16][2]. A
+ * float16 scales, one per weight row and group, follow the same order: [groups][blocks][16]. A
  * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer; the rows x
  * are rounded to bfloat16 once per call, 16 at a time, and each tile of them meets AMX_BLOCKS blocks. */
 #include <sys/syscall.h>
@@ -213,9 +214,19 @@ static void configure_tiles(void)
     _tile_loadconfig(&config);
 }
 
-static inline void widen_group(const int8_t *w, const float *scales, uint16_t *tile)
+/* A block's 16 scales, widened to float32 and each repeated for the two columns of a pair: rows 0-7 in low,
+ * 8-15 in high, matching the lanes of a column pair's 32 weights. */
+static inline void pair_scales(const uint16_t *scales, __m512 *low, __m512 *high)
 {
-    __m512 low_scales = _mm512_loadu_ps(scales), high_scales = _mm512_loadu_ps(scales + 16);
+    __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+    *low = _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), s);
+    *high = _mm512_permutexvar_ps(_mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), s);
+}
+
+static inline void widen_group(const int8_t *w, const uint16_t *scales, uint16_t *tile)
+{
+    __m512 low_scales, high_scales;
+    pair_scales(scales, &low_scales, &high_scales);
     for (int pair = 0; pair < 16; pair++) {
         __m256i q = _mm256_loadu_si256((const __m256i *)(w + pair * 32));
         __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), low_scales);
@@ -229,7 +240,7 @@ static inline void widen_group(const int8_t *w, const float *scales, uint16_t *t
  * padding: these rows take the same layout through float32 FMAs instead, each weight pair of a row against
  * the two columns of x it multiplies, every product and sum in float32, the scale applied per group. */
 static inline __attribute__((always_inline)) void few_rows_pass(
-    const float *x, int rows_m, int64_t k_size, const int8_t *w, const float *scales, float sums[][32])
+    const float *x, int rows_m, int64_t k_size, const int8_t *w, const uint16_t *scales, float sums[][32])
 {
     __m512 acc[AMX_MIN_ROWS - 1][AMX_BLOCKS][2];
     for (int m = 0; m < rows_m; m++)
@@ -255,10 +266,11 @@ static inline __attribute__((always_inline)) void few_rows_pass(
                     group_acc[m][1] = _mm512_fmadd_ps(high, xv, group_acc[m][1]);
                 }
             }
-            const float *sg = scales + (g * AMX_BLOCKS + b) * 32;
+            __m512 low_scales, high_scales;
+            pair_scales(scales + (g * AMX_BLOCKS + b) * 16, &low_scales, &high_scales);
             for (int m = 0; m < rows_m; m++) {
-                acc[m][b][0] = _mm512_fmadd_ps(group_acc[m][0], _mm512_loadu_ps(sg), acc[m][b][0]);
-                acc[m][b][1] = _mm512_fmadd_ps(group_acc[m][1], _mm512_loadu_ps(sg + 16), acc[m][b][1]);
+                acc[m][b][0] = _mm512_fmadd_ps(group_acc[m][0], low_scales, acc[m][b][0]);
+                acc[m][b][1] = _mm512_fmadd_ps(group_acc[m][1], high_scales, acc[m][b][1]);
             }
         }
     }
@@ -281,7 +293,7 @@ static inline void store_pass(const float *sums, int64_t stride, int64_t rows, i
             y[r * n_size + n + c] = bias ? sums[r * stride + c] + bias[n + c] : sums[r * stride + c];
 }
 
-static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_t *w, const float *scales,
+static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_t *w, const uint16_t *scales,
                        int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t groups = k_size / 32, padded_rows = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
@@ -295,7 +307,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
             int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
             float sums[AMX_MIN_ROWS - 1][32];
             const int8_t *wp = w + n * k_size;
-            const float *sp = scales + n * groups * 2;
+            const uint16_t *sp = scales + n * groups;
             switch (rows) {
             case 1: few_rows_pass(x, 1, k_size, wp, sp, sums); break;
             case 2: few_rows_pass(x, 2, k_size, wp, sp, sums); break;
@@ -321,7 +333,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
             int64_t n = p * AMX_ROWS * AMX_BLOCKS;
             int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
             const int8_t *wp = w + n * k_size;
-            const float *sp = scales + n * groups * 2;
+            const uint16_t *sp = scales + n * groups;
             for (int64_t m = 0; m < padded_rows; m += AMX_ROWS) {
                 _tile_zero(0);
                 _tile_zero(1);
@@ -330,7 +342,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
                     for (int line = 0; line < AMX_BLOCKS * 512; line += 64)
                         _mm_prefetch((const char *)wg + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);
                     for (int b = 0; b < AMX_BLOCKS; b++)
-                        widen_group(wg + b * 512, sp + (g * AMX_BLOCKS + b) * 32, widened[b]);
+                        widen_group(wg + b * 512, sp + (g * AMX_BLOCKS + b) * 16, widened[b]);
                     _tile_loadd(2, xb + m * k_size + g * 32, k_size * 2);
                     _tile_loadd(3, widened[0], 64);
                     _tile_dpbf16ps(0, 2, 3);
@@ -359,11 +371,11 @@ int tandem_linear_amx_min_rows(void)
 #endif
 
 /* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] weights:
- * float16 bits where scales is NULL, else int8 with a float32 scale per `group` columns (a multiple of
+ * float16 bits where scales is NULL, else int8 with a float16 scale per `group` columns (a multiple of
  * CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
  * (weight w[r][c] is its int8 times the scale of row r's group c / group); bias [n_size] float32 or NULL,
  * y [rows, n_size] float32; all contiguous. */
-void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const float *scales, int64_t group,
+void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales, int64_t group,
                    int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
@@ -848,7 +860,7 @@ void tandem_silu_and_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t siz
 typedef struct {
     const float *input_norm, *post_attention_norm;
     const void *qkv, *o, *gate_up, *down;
-    const float *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const uint16_t *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 } tandem_layer;
 

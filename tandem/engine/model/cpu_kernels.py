@@ -107,11 +107,10 @@ class CpuKernels:
         scales = None
         if dtype == torch.int8:
             groups = width // (group or width)
-            weight = weight.float().view(rows, groups, width // groups)
-            scales = torch.zeros(padded_rows, groups, dtype=torch.float32)
-            scales[:rows] = weight.abs().amax(dim=2) / 127
-            weight = torch.round(weight / scales[:rows, :, None].clamp_min(torch.finfo(torch.float32).tiny))
-            weight = weight.view(rows, width)
+            quantized, group_scales = _quantize_int8(weight.float().view(rows, groups, width // groups))
+            weight = quantized.view(rows, width)
+            scales = torch.zeros(padded_rows, groups, dtype=torch.float16)
+            scales[:rows] = group_scales
             scales = scales.view(-1, self.tile_rows, groups).transpose(1, 2).contiguous()
         else:
             group = None
@@ -122,19 +121,17 @@ class CpuKernels:
 
     def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
         """The AMX build's int8 layout (see ``amx_linear`` in cpu_kernels.c): blocks of 16 weight rows, each
-        group of 32 columns as [16 column pairs][16 rows][2], and a scale per row and 32 columns, twice."""
+        group of 32 columns as [16 column pairs][16 rows][2], and a scale per row and 32 columns."""
         rows, width = weight.shape
         padded_rows = -(-rows // self.int8_block_rows) * self.int8_block_rows
         group = group or width
         padded = torch.zeros(padded_rows, width)
         padded[:rows] = weight.float()
-        grouped = padded.view(padded_rows, width // group, group)
-        scales = grouped.abs().amax(dim=2) / 127
-        quantized = torch.round(grouped / scales[:, :, None].clamp_min(torch.finfo(torch.float32).tiny))
+        quantized, scales = _quantize_int8(padded.view(padded_rows, width // group, group))
         passes, per_pass, depth = padded_rows // self.int8_block_rows, self.int8_block_rows // 16, width // 32
-        data = quantized.to(torch.int8).view(passes, per_pass, 16, depth, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        data = quantized.view(passes, per_pass, 16, depth, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
         per_depth = scales.repeat_interleave(group // 32, dim=1)  # [rows, width / 32]
-        scales = per_depth.view(passes, per_pass, 16, depth).permute(0, 3, 1, 2).repeat_interleave(2, dim=3).contiguous()
+        scales = per_depth.view(passes, per_pass, 16, depth).permute(0, 3, 1, 2).contiguous()
         return PackedWeight(data, scales, rows, width, group)
 
     def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:
@@ -246,7 +243,7 @@ class CpuKernels:
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A weight [out_features, in_features] as ``CpuKernels.pack`` lays it out for ``linear``: ``data``
-    float16, or int8 with float32 ``scales``, one per ``group`` columns of a row (None: per row), tile by
+    float16, or int8 with float16 ``scales``, one per ``group`` columns of a row (None: per row), tile by
     tile."""
 
     data: torch.Tensor
@@ -338,6 +335,14 @@ def _check_attention_status(status: int, kernel: str, heads: int, kv_heads: int,
         raise MemoryError(f"{kernel} could not allocate the attention states of the positions its sequences share")
     if status != 0:
         raise ValueError(f"{kernel} does not take {heads} heads over {kv_heads} key-value heads of size {head_dim}")
+
+
+def _quantize_int8(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group (the last dimension) scaled to ±127 and rounded to nearest: the int8 values, and the
+    float16 scales they stand for multiples of."""
+    scales = (grouped.abs().amax(dim=-1) / 127).half()
+    quantized = torch.round(grouped / scales.float()[..., None].clamp_min(torch.finfo(torch.float32).tiny))
+    return quantized.clamp(-127, 127).to(torch.int8), scales
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:
