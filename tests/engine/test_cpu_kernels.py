@@ -371,6 +371,32 @@ def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_t
     assert max(compared_rows) == 4 and min(compared_rows) == 1  # decode steps of all four and of the last alone
 
 
+@torch.inference_mode()
+def test_a_small_step_attends_its_prompt_tokens_as_decodes_do(tiny_model, monkeypatch):
+    """A step small enough for the decode copy runs its prompt tokens as decode rows: each attends its own
+    positions in place through the block table (the cached prefix read once for all of them), and the decoder
+    layers run in one call. Its logits are those of the same tokens as a prefill chunk through torch."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot run here (see the log for why)")
+    engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=16), calibrate=False,
+                          decode_weights="int8", batched_weights="float32")
+    runner, chunk = engine.executor, 16
+    runner.model.decode_rows = chunk
+    calls = []
+    in_one_call = runner.model.cpu_kernels.decode_layers
+    monkeypatch.setattr(runner.model.cpu_kernels, "decode_layers", lambda *args: calls.append(1) or in_one_call(*args))
+    tokens = random_prompt(engine, 6 * chunk, seed=9)
+    for start in range(0, 5 * chunk, chunk):
+        runner.teacher_forced_logits(tokens, start, chunk)
+    as_decodes = runner.teacher_forced_logits(tokens, 5 * chunk, chunk)
+    assert len(calls) == 6
+
+    monkeypatch.setattr(runner, "_attends_as_decodes", lambda rows: False)
+    as_a_chunk = runner.teacher_forced_logits(tokens, 5 * chunk, chunk)
+    assert len(calls) == 6
+    torch.testing.assert_close(as_decodes, as_a_chunk, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_layers_take_only_packed_weights():
     layer = {"input_norm": torch.ones(8), "post_attention_norm": torch.ones(8),
              **{name: torch.zeros(8, 8) for name in cpu_kernels.DecodeLayers.LINEARS},

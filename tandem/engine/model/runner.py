@@ -170,8 +170,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[Sample | None]:
         items = output.scheduled
-        decodes = [item for item in items if item.num_new_tokens == 1]
-        prefills = [item for item in items if item.num_new_tokens > 1]
+        if self._attends_as_decodes(sum(item.num_new_tokens for item in items)):
+            decodes, prefills = items, []
+        else:
+            decodes = [item for item in items if item.num_new_tokens == 1]
+            prefills = [item for item in items if item.num_new_tokens > 1]
         ordered = decodes + prefills
 
         input_ids: list[int] = []
@@ -198,9 +201,10 @@ class ModelRunner:
             return self._sampled(items, logits[torch.tensor(rows, device=logits.device)])
 
         device = self.torch_device
+        token_start = sum(item.num_new_tokens for item in decodes)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            num_decodes=len(decodes),
+            num_decodes=token_start,
             decode_slots=None,
             decode_mask=None,
             prefills=[],
@@ -209,7 +213,6 @@ class ModelRunner:
             meta.decode_block_tables = self._decode_block_tables(decodes)
         elif decodes:
             meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
-        token_start = len(decodes)
         for item in prefills:
             meta.prefills.append(self._prefill_chunk(token_start, item.start, item.num_new_tokens,
                                                      item.request.block_ids))
@@ -290,10 +293,19 @@ class ModelRunner:
         device = self.torch_device
         return slots.view(-1).to(device), mask[:, None, None, :].to(device)
 
+    def _attends_as_decodes(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows attends each of its tokens as a decode, prompt tokens too: with the
+        CPU kernels, a step small enough to read the decode copy of the weights, so that every token attends
+        its context in place through the block table, a shared prefix read once, and the decoder layers run in
+        one call."""
+        return self.model.uses_cpu_kernels and rows <= self.model.decode_rows
+
     def _decode_block_tables(self, decodes: list[ScheduledRequest]) -> BlockTables:
-        """Each decode's block ids as a tensor kept from step to step: a step converts only the blocks
-        added since the last (one per ``block_size`` tokens), so its work does not grow with the context."""
+        """A row per token of ``decodes`` (each attending its request's positions up to its own): each
+        request's block ids as a tensor kept from step to step, so that a step converts only the blocks added
+        since the last (one per ``block_size`` tokens) and its work does not grow with the context."""
         rows: dict[str, _BlockRow] = {}
+        tables: list[torch.Tensor] = []
         for item in decodes:
             request = item.request
             row = self._block_rows.get(request.req_id)
@@ -303,8 +315,10 @@ class ModelRunner:
                 added = torch.tensor(request.block_ids[len(row.ids):], dtype=torch.long)
                 row.ids = torch.cat((row.ids, added))
             rows[request.req_id] = row
+            tables.extend([row.ids] * item.num_new_tokens)
         self._block_rows = rows
-        return BlockTables([row.ids for row in rows.values()], [item.start + 1 for item in decodes], self.block_size)
+        lengths = [position + 1 for item in decodes for position in range(item.start, item.start + item.num_new_tokens)]
+        return BlockTables(tables, lengths, self.block_size)
 
     def _prefill_chunk(self, token_start: int, start: int, count: int, block_ids: list[int]) -> PrefillChunk:
         """The chunk of ``count`` prompt tokens from position ``start`` that sits at row ``token_start`` of the
@@ -321,18 +335,22 @@ class ModelRunner:
     @torch.inference_mode()
     def teacher_forced_logits(self, tokens: list[int], start: int, count: int) -> torch.Tensor:
         """Logits [count, vocab] after each of ``tokens[start:start + count]``, in one step over ``tokens[:start]``,
-        which earlier calls put in the cache (position p in slot p, overwriting what was there). One row runs
-        as a decode step, more as a prefill chunk: the kernels a worker's steps of that shape run."""
+        which earlier calls put in the cache (position p in slot p, overwriting what was there). The step runs
+        as a worker's step of ``count`` rows does: as decodes where ``_attends_as_decodes`` (one row always),
+        else as a prefill chunk."""
         if start + count > self.num_kv_blocks * self.block_size:
             raise ValueError(f"{start + count} tokens do not fit the runner's {self.num_kv_blocks} KV blocks")
         device, block_ids = self.torch_device, list(range(self.num_kv_blocks))
         positions = torch.arange(start, start + count, device=device)
-        meta = AttentionMetadata(slot_mapping=positions, num_decodes=int(count == 1), decode_slots=None,
+        as_decodes = count == 1 or self._attends_as_decodes(count)
+        meta = AttentionMetadata(slot_mapping=positions, num_decodes=count if as_decodes else 0, decode_slots=None,
                                  decode_mask=None, prefills=[])
-        if count > 1:
+        if not as_decodes:
             meta.prefills.append(self._prefill_chunk(0, start, count, block_ids))
         elif self.model.uses_cpu_kernels:
-            meta.decode_block_tables = BlockTables([torch.tensor(block_ids)], [start + 1], self.block_size)
+            table = torch.tensor(block_ids)
+            meta.decode_block_tables = BlockTables([table] * count, list(range(start + 1, start + count + 1)),
+                                                   self.block_size)
         else:
             meta.decode_slots = torch.arange(start + 1, device=device)
             meta.decode_mask = torch.ones(1, 1, 1, start + 1, dtype=torch.bool, device=device)
