@@ -793,20 +793,6 @@ static inline __m256 silu_and_mul8(__m256 g, __m256 u)
     return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), u);
 }
 
-/* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row). */
-void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float *out, int threads)
-{
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gate_up + r * 2 * size, *up = gate + size;
-        int64_t i = 0;
-        for (; i + 8 <= size; i += 8)
-            _mm256_storeu_ps(out + r * size + i, silu_and_mul8(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
-        for (; i < size; i++)
-            out[r * size + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
-}
-
 static inline __m256 widen_bf16x8(const uint16_t *p)
 {
     __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -822,36 +808,67 @@ static inline __m128i round_to_bf16x8(__m256 v)
     return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
 }
 
-static inline float widen_bf16(uint16_t h)
+/* Element i of p: float32, or bfloat16 widened where bf16 (a constant at every call site). */
+static inline float load_one(const void *p, int64_t i, int bf16)
 {
-    uint32_t bits = (uint32_t)h << 16;
+    if (!bf16)
+        return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-static inline uint16_t round_to_bf16(float f)
+static inline void store_one(void *p, int64_t i, float f, int bf16)
 {
+    if (!bf16) {
+        ((float *)p)[i] = f;
+        return;
+    }
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    ((uint16_t *)p)[i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-/* tandem_silu_and_mul on bfloat16 rows: computed in float32, the result rounded to bfloat16. */
-void tandem_silu_and_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t size, uint16_t *out, int threads)
+static inline __m256 load_eight(const void *p, int64_t i, int bf16)
+{
+    return bf16 ? widen_bf16x8((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline void store_eight(void *p, int64_t i, __m256 v, int bf16)
+{
+    if (bf16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i), round_to_bf16x8(v));
+    else
+        _mm256_storeu_ps((float *)p + i, v);
+}
+
+/* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row), float32; or,
+ * where bf16 (a constant at every call site), both bfloat16, computed in float32 and rounded back. */
+static inline __attribute__((always_inline)) void silu_and_mul_rows(const void *gate_up, int64_t rows, int64_t size,
+                                                                    void *out, int threads, int bf16)
 {
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = gate_up + r * 2 * size, *up = gate + size;
-        int64_t i = 0;
+        int64_t gate = r * 2 * size, up = gate + size, i = 0;
         for (; i + 8 <= size; i += 8)
-            _mm_storeu_si128((__m128i *)(out + r * size + i),
-                             round_to_bf16x8(silu_and_mul8(widen_bf16x8(gate + i), widen_bf16x8(up + i))));
+            store_eight(out, r * size + i,
+                        silu_and_mul8(load_eight(gate_up, gate + i, bf16), load_eight(gate_up, up + i, bf16)), bf16);
         for (; i < size; i++) {
-            float g = widen_bf16(gate[i]);
-            out[r * size + i] = round_to_bf16(g / (1.0f + expf(-g)) * widen_bf16(up[i]));
+            float g = load_one(gate_up, gate + i, bf16);
+            store_one(out, r * size + i, g / (1.0f + expf(-g)) * load_one(gate_up, up + i, bf16), bf16);
         }
     }
+}
+
+void tandem_silu_and_mul(const float *gate_up, int64_t rows, int64_t size, float *out, int threads)
+{
+    silu_and_mul_rows(gate_up, rows, size, out, threads, 0);
+}
+
+void tandem_silu_and_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t size, uint16_t *out, int threads)
+{
+    silu_and_mul_rows(gate_up, rows, size, out, threads, 1);
 }
 
 /* One decoder layer's weights for tandem_decode_layers: its norms', and its linears' packed weights,
