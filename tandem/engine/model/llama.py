@@ -26,9 +26,10 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class AttentionMetadata:
     """Where one step's tokens go in the cache and what each attends to.
 
-    Decode-like requests (one new token) come first in the flat batch and attend together: through the
-    CPU kernel, which reads the cache in place by block table, or else through a padded gather. Each
-    prefill chunk after them attends on its own.
+    Decode rows come first in the flat batch and attend together: a request's one new token, or, in a step
+    small enough (``ModelRunner._attends_as_decodes``), any token, each over its positions up to its own;
+    through the CPU kernel, which reads the cache in place by block table, or else through a padded gather.
+    Each prefill chunk after them attends on its own.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
