@@ -110,8 +110,9 @@ def test_bfloat16_batched_weights_pass_the_gate_in_prefill_chunks(measured):
 
 
 def test_int8_decode_weights_pass_the_gate_in_steps_of_many_rows(measured):
-    """Steps of ``SMALL_STEP`` rows take the path such a step takes here: the int8 copy where ``decode_rows``
-    reaches them (in the AMX build, multiplied in bfloat16 tiles), else the batched weights."""
+    """Steps of ``SMALL_STEP`` rows take the path such a step takes here: where ``decode_rows`` reaches them,
+    the int8 copy (in the AMX build, multiplied in bfloat16 tiles) with each token attended as a decode, else the
+    batched weights and a prefill chunk's attention."""
     results, targets = measured
     quality = Quality.of(results["float32"][0], results["int8"][3], targets)
     print(f"int8 decode weights in steps of {SMALL_STEP} rows against float32: {quality.summary()}")

@@ -195,7 +195,10 @@ class Stall:
 @functools.cache
 def _realtime() -> tuple[str, ...]:
     """The prefix that runs a command at a real-time priority, or none where that is not permitted."""
-    allowed = subprocess.run(["chrt", "--fifo", "1", "true"], capture_output=True).returncode == 0
+    try:
+        allowed = subprocess.run(["chrt", "--fifo", "1", "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:  # no chrt here
+        allowed = False
     return ("chrt", "--fifo", "1") if allowed else ()
 
 

@@ -1,16 +1,16 @@
 /* CPU kernels for decode steps of a float32 model, on AVX2 + FMA + F16C; work is shared out between
  * `threads` OpenMP threads of torch's own libgomp (already loaded when this library is).
  *
- * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w.
- * A decode step multiplies every weight matrix by a handful of rows, so it is bound by reading the
- * weights. Stored as float16 they are half the bytes of float32, as int8 a quarter plus their scales:
- * each group of `group` consecutive weights of a row is scaled to ±127, its scale kept as a float16, as
- * llama.cpp's Q8_0 keeps it (a group of a whole row is one scale per row). They are widened to float32 in registers and multiplied by
- * their group's scale, and every product and sum is float32. The weight rows are cut into tiles of TILE_N rows,
- * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass
- * over it. Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and
- * the weights are packed for that width. Built with AMX (-mamx-bf16), int8 weights take a layout of their
- * own and steps of many rows multiply in tiles (amx_linear below).
+ * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w. A decode step
+ * multiplies every weight matrix by a handful of rows, so it is bound by reading the weights. Stored as float16
+ * they are half the bytes of float32, as int8 a quarter plus their scales: each group of `group` consecutive
+ * weights of a row is scaled to ±127, its scale kept as a float16, as llama.cpp's Q8_0 keeps it (a group of a whole
+ * row is one scale per row). They are widened to float32 in registers and multiplied by their group's scale, and
+ * every product and sum is float32. The weight rows are cut into tiles of TILE_N rows, shared out between the
+ * threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass over it. Built with AVX-512
+ * (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and the weights are packed for that width.
+ * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and steps of many rows multiply in tiles
+ * (amx_linear below).
  *
  * tandem_decode_attention: one query token per sequence against its context in the paged KV cache,
  * read in place through the sequence's block table: one pass over the keys and values with an online

@@ -306,6 +306,7 @@ class ModelRunner:
         since the last (one per ``block_size`` tokens) and its work does not grow with the context."""
         rows: dict[str, _BlockRow] = {}
         tables: list[torch.Tensor] = []
+        lengths: list[int] = []
         for item in decodes:
             request = item.request
             row = self._block_rows.get(request.req_id)
@@ -316,8 +317,8 @@ class ModelRunner:
                 row.ids = torch.cat((row.ids, added))
             rows[request.req_id] = row
             tables.extend([row.ids] * item.num_new_tokens)
+            lengths.extend(range(item.start + 1, item.start + item.num_new_tokens + 1))
         self._block_rows = rows
-        lengths = [position + 1 for item in decodes for position in range(item.start, item.start + item.num_new_tokens)]
         return BlockTables(tables, lengths, self.block_size)
 
     def _prefill_chunk(self, token_start: int, start: int, count: int, block_ids: list[int]) -> PrefillChunk:
