@@ -740,18 +740,30 @@ void tandem_rms_norm(const float *x, float *residual, const float *weight, int64
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * size;
-        if (residual) {
-            float *sum = residual + r * size;
-            for (int64_t i = 0; i < size; i++)
-                sum[i] += row[i];
-            row = sum;
+        float *sum = residual ? residual + r * size : NULL;
+        __m256 squares[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        int64_t i = 0;
+        for (; i + 8 <= size; i += 8) {
+            __m256 v = _mm256_loadu_ps(row + i);
+            if (sum) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(sum + i));
+                _mm256_storeu_ps(sum + i, v);
+            }
+            squares[(i >> 3) & 1] = _mm256_fmadd_ps(v, v, squares[(i >> 3) & 1]);
         }
-        float squares = 0.0f;
-        for (int64_t i = 0; i < size; i++)
-            squares += row[i] * row[i];
-        float inverse = 1.0f / sqrtf(squares / size + eps);
-        for (int64_t i = 0; i < size; i++)
-            out[r * size + i] = weight[i] * (row[i] * inverse);
+        float total = horizontal_sum(_mm256_add_ps(squares[0], squares[1]));
+        for (; i < size; i++) {
+            float v = sum ? (sum[i] += row[i]) : row[i];
+            total += v * v;
+        }
+        if (sum)
+            row = sum;
+        __m256 inverse = _mm256_set1_ps(1.0f / sqrtf(total / size + eps));
+        for (i = 0; i + 8 <= size; i += 8)
+            _mm256_storeu_ps(out + r * size + i,
+                             _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(row + i), inverse)));
+        for (; i < size; i++)
+            out[r * size + i] = weight[i] * (row[i] * inverse[0]);
     }
 }
 

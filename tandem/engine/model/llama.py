@@ -45,7 +45,7 @@ class PrefillChunk:
     token_start: int  # offset of the chunk in the flat batch
     num_tokens: int
     context_slots: torch.Tensor | None  # [context_len] slots of the cached prefix + chunk; None when no prefix
-    mask: torch.Tensor | None  # [1, 1, num_tokens, context_len] causal mask with the prefix offset
+    mask: torch.Tensor | None  # [1, 1, num_tokens, context_len] causal with the prefix offset: 0 or -inf
 
 
 class RMSNorm(nn.Module):

@@ -107,15 +107,16 @@ class ModelRunner:
             raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}; got {decode_weights!r}")
         if batched_weights not in BATCHED_WEIGHTS:
             raise ValueError(f"batched_weights must be one of {', '.join(BATCHED_WEIGHTS)}; got {batched_weights!r}")
-        self.decode_dtype = self.batched_dtype = self.dtype
+        self.decode_dtype = self.batched_dtype = self.prefill_attention_dtype = self.dtype
         kernels = None
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
             packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
             self.batched_dtype = getattr(torch, resolved_batched_weights(batched_weights, decode_weights))
             # bfloat16 prefill attention is 2-2.5x faster than float32 on AMX tiles, and no faster without
-            prefill_attention = torch.bfloat16 if self.batched_dtype == torch.bfloat16 and amx_tiles() else None
-            self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype, prefill_attention)
+            if self.batched_dtype == torch.bfloat16 and amx_tiles():
+                self.prefill_attention_dtype = torch.bfloat16
+            self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype, self.prefill_attention_dtype)
             if self.model.uses_cpu_kernels and packed_dtype is not None:
                 self.decode_dtype = packed_dtype
         self.vocab_size = config.vocab_size
@@ -328,7 +329,9 @@ class ModelRunner:
             return PrefillChunk(token_start, count, None, None)
         length = start + count
         query_positions = torch.arange(start, length)
-        mask = torch.arange(length)[None, :] <= query_positions[:, None]
+        hidden = torch.arange(length)[None, :] > query_positions[:, None]
+        # Additive, in the attention's dtype: a boolean mask would be converted to one in every layer.
+        mask = torch.zeros(hidden.shape, dtype=self.prefill_attention_dtype).masked_fill_(hidden, float("-inf"))
         device = self.torch_device
         return PrefillChunk(token_start, count, self._context_slots(block_ids, length).to(device),
                             mask[None, None].to(device))
