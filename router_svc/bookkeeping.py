@@ -27,9 +27,9 @@ class Bookkeeping:
 
 
 class AttemptRecord:
-    """What is recorded about one try on one worker. The decision is logged with the first thing that
-    happens after it goes out (a response, a move or the end of the try), and each response is recorded
-    once it has been passed on, so nothing here runs before the first token reaches the front end."""
+    """What is recorded about one try on one worker. Each response is recorded once it has been passed on,
+    and the decision is logged when the try ends (with its stream, a move or a failure): on a machine whose
+    cores the workers and clients share, the log line's cost then delays no token of any request."""
 
     def __init__(self, output_lengths: OutputLengths, request, decision: RoutingDecision, span, started: float):
         self.output_lengths = output_lengths
@@ -42,7 +42,6 @@ class AttemptRecord:
 
     def streamed(self, response: worker_pb2.GenerateResponse, received: float) -> None:
         """A response of the worker's stream, received at ``received`` and passed on since."""
-        self._log_decision()
         request = self.request
         if response.token_ids and not self.streamed_tokens:
             metrics.TTFT.labels(request.frontend).observe(received - self.started)
