@@ -279,6 +279,9 @@ def test_rms_norm_adds_the_residual_in_place_and_normalizes_the_sum(kernels, row
         return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5))
 
     torch.testing.assert_close(kernels.rms_norm(x, None, weight, 1e-5), norm(x))
+    rounded = kernels.rms_norm(x, None, weight, 1e-5, torch.bfloat16)
+    assert rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded, kernels.rms_norm(x, None, weight, 1e-5).to(torch.bfloat16))
     torch.testing.assert_close(kernels.rms_norm(x, residual, weight, 1e-5), norm(total))
     torch.testing.assert_close(residual, total)
 
@@ -395,6 +398,24 @@ def test_a_small_step_attends_its_prompt_tokens_as_decodes_do(tiny_model, monkey
     as_a_chunk = runner.teacher_forced_logits(tokens, 5 * chunk, chunk)
     assert len(calls) == 6
     torch.testing.assert_close(as_decodes, as_a_chunk, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_rows_for_bfloat16_batched_weights_are_rounded_where_they_are_made_with_the_same_logits(tiny_model):
+    """With bfloat16 batched weights, a large step's norms write their rows in bfloat16 and its attention
+    output stays bfloat16: the very rounding each linear would do to float32 rows, done once, earlier."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot run here (see the log for why)")
+    engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=16), calibrate=False,
+                          decode_weights="int8", batched_weights="bfloat16")
+    runner, chunk = engine.executor, 40
+    runner.model.decode_rows = 8
+    tokens = random_prompt(engine, 2 * chunk, seed=4)
+    rounded_early = [runner.teacher_forced_logits(tokens, start, chunk) for start in (0, chunk)]
+    runner.model._batched_activations = None
+    rounded_by_each_linear = [runner.teacher_forced_logits(tokens, start, chunk) for start in (0, chunk)]
+    for early, late in zip(rounded_early, rounded_by_each_linear):
+        assert torch.equal(early, late)
 
 
 def test_decode_layers_take_only_packed_weights():

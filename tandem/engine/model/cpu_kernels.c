@@ -732,41 +732,6 @@ int tandem_decode_attention(const float *q, int64_t q_stride, const float *k_cac
     return 0;
 }
 
-/* out[r] = weight ⊙ x[r] / sqrt(mean(x[r]²) + eps) for x [rows, size]. With residual (not NULL):
- * residual[r] += x[r] first, and the sum is what is normalized. */
-void tandem_rms_norm(const float *x, float *residual, const float *weight, int64_t rows, int64_t size, float eps,
-                     float *out, int threads)
-{
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * size;
-        float *sum = residual ? residual + r * size : NULL;
-        __m256 squares[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        int64_t i = 0;
-        for (; i + 8 <= size; i += 8) {
-            __m256 v = _mm256_loadu_ps(row + i);
-            if (sum) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(sum + i));
-                _mm256_storeu_ps(sum + i, v);
-            }
-            squares[(i >> 3) & 1] = _mm256_fmadd_ps(v, v, squares[(i >> 3) & 1]);
-        }
-        float total = horizontal_sum(_mm256_add_ps(squares[0], squares[1]));
-        for (; i < size; i++) {
-            float v = sum ? (sum[i] += row[i]) : row[i];
-            total += v * v;
-        }
-        if (sum)
-            row = sum;
-        __m256 inverse = _mm256_set1_ps(1.0f / sqrtf(total / size + eps));
-        for (i = 0; i + 8 <= size; i += 8)
-            _mm256_storeu_ps(out + r * size + i,
-                             _mm256_mul_ps(_mm256_loadu_ps(weight + i), _mm256_mul_ps(_mm256_loadu_ps(row + i), inverse)));
-        for (; i < size; i++)
-            out[r * size + i] = weight[i] * (row[i] * inverse[0]);
-    }
-}
-
 /* qkv [tokens, (heads + 2 kv_heads) · head_dim], a fused projection's rows: rotates the query and key
  * heads in place (the rotate-half form, cos and sin tables [positions, head_dim]) and writes each
  * token's keys and values to its cache slot (caches [slots, kv_heads, head_dim], one layer). */
@@ -853,6 +818,56 @@ static inline void store_eight(void *p, int64_t i, __m256 v, int bf16)
         _mm_storeu_si128((__m128i *)((uint16_t *)p + i), round_to_bf16x8(v));
     else
         _mm256_storeu_ps((float *)p + i, v);
+}
+
+/* out[r] = weight ⊙ x[r] / sqrt(mean(x[r]²) + eps) for x [rows, size], float32; out in float32, or bfloat16
+ * where bf16 (a constant at every call site). With residual (not NULL): residual[r] += x[r] first, and the
+ * sum is what is normalized. */
+static inline __attribute__((always_inline)) void rms_norm_rows(const float *x, float *residual, const float *weight,
+                                                                int64_t rows, int64_t size, float eps, void *out,
+                                                                int threads, int bf16)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * size;
+        float *sum = residual ? residual + r * size : NULL;
+        __m256 squares[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        int64_t i = 0;
+        for (; i + 8 <= size; i += 8) {
+            __m256 v = _mm256_loadu_ps(row + i);
+            if (sum) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(sum + i));
+                _mm256_storeu_ps(sum + i, v);
+            }
+            squares[(i >> 3) & 1] = _mm256_fmadd_ps(v, v, squares[(i >> 3) & 1]);
+        }
+        float total = horizontal_sum(_mm256_add_ps(squares[0], squares[1]));
+        for (; i < size; i++) {
+            float v = sum ? (sum[i] += row[i]) : row[i];
+            total += v * v;
+        }
+        if (sum)
+            row = sum;
+        float inverse = 1.0f / sqrtf(total / size + eps);
+        for (i = 0; i + 8 <= size; i += 8)
+            store_eight(out, r * size + i, _mm256_mul_ps(_mm256_loadu_ps(weight + i),
+                                                         _mm256_mul_ps(_mm256_loadu_ps(row + i), _mm256_set1_ps(inverse))),
+                        bf16);
+        for (; i < size; i++)
+            store_one(out, r * size + i, weight[i] * (row[i] * inverse), bf16);
+    }
+}
+
+void tandem_rms_norm(const float *x, float *residual, const float *weight, int64_t rows, int64_t size, float eps,
+                     float *out, int threads)
+{
+    rms_norm_rows(x, residual, weight, rows, size, eps, out, threads, 0);
+}
+
+void tandem_rms_norm_bf16(const float *x, float *residual, const float *weight, int64_t rows, int64_t size,
+                          float eps, uint16_t *out, int threads)
+{
+    rms_norm_rows(x, residual, weight, rows, size, eps, out, threads, 1);
 }
 
 /* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row), float32; or,

@@ -74,9 +74,10 @@ class CpuKernels:
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
         self._decode_attention.restype = ctypes.c_int
-        self._rms_norm = c.tandem_rms_norm
-        self._rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
-        self._rms_norm.restype = None
+        self._rms_norm = {torch.float32: c.tandem_rms_norm, torch.bfloat16: c.tandem_rms_norm_bf16}
+        for function in self._rms_norm.values():
+            function.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+            function.restype = None
         self._rope_and_cache = c.tandem_rope_and_cache
         self._rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         self._rope_and_cache.restype = None
@@ -170,13 +171,15 @@ class CpuKernels:
         return out
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-        """RMSNorm of the rows of ``x`` [rows, size]; with ``residual``, ``residual += x`` first (in place)
-        and the sum is normalized."""
+                 eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """RMSNorm of the float32 rows of ``x`` [rows, size], in float32 or rounded to bfloat16 (``out_dtype``);
+        with ``residual``, ``residual += x`` first (in place) and the sum is normalized."""
         _check_float32(x, weight, *(() if residual is None else (residual,)))
-        out = torch.empty_like(x)
-        self._rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                       x.shape[0], x.shape[1], eps, out.data_ptr(), torch.get_num_threads())
+        if out_dtype not in self._rms_norm:
+            raise ValueError(f"rms_norm writes float32 or bfloat16, not {out_dtype}")
+        out = torch.empty(x.shape, dtype=out_dtype)
+        self._rms_norm[out_dtype](x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                  x.shape[0], x.shape[1], eps, out.data_ptr(), torch.get_num_threads())
         return out
 
     def rope_and_cache(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor,

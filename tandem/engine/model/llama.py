@@ -55,18 +55,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.cpu_kernels: CpuKernels | None = None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The normalized ``x + residual`` (``x`` without one), and that sum: the next residual."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normalized ``x + residual`` (``x`` without one), in ``out_dtype`` (None: ``x``'s), and that sum:
+        the next residual."""
         if self.cpu_kernels is not None:
-            if residual is None:
-                return self.cpu_kernels.rms_norm(x, None, self.weight, self.eps), x
-            return self.cpu_kernels.rms_norm(x, residual, self.weight, self.eps), residual
+            normed = self.cpu_kernels.rms_norm(x, residual, self.weight, self.eps, out_dtype or x.dtype)
+            return normed, x if residual is None else residual
         if residual is not None:
             x = x + residual
         dtype = x.dtype
         normed = x.to(torch.float32)
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(dtype), x
+        return (self.weight * normed.to(dtype)).to(out_dtype or dtype), x
 
 
 def rope_tables(config, max_positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,9 +112,11 @@ class Attention(nn.Module):
         self.cpu_kernels: CpuKernels | None = None
         self.prefill_dtype: torch.dtype | None = None  # prefill chunks' attention in it, where not the model's
 
-    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata,
+                activations: torch.dtype | None = None) -> torch.Tensor:
         """``cos``, ``sin``: with the CPU kernels, the whole tables [positions, head_dim], which the kernel
-        indexes; without, each token's rows [tokens, 1, head_dim]."""
+        indexes; without, each token's rows [tokens, 1, head_dim]. ``activations``: the dtype the output
+        projection takes its rows in (None: the model's)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.cpu_kernels is not None:
@@ -126,7 +129,7 @@ class Attention(nn.Module):
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=activations or q.dtype)
         n = meta.num_decodes
         if n and meta.decode_block_tables is not None:
             out[:n] = self.cpu_kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, self.scale)
@@ -188,11 +191,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, positions, cos, sin, k_cache, v_cache, meta):
-        """This layer's output and the residual stream before it: their sum is the hidden state."""
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos, sin, k_cache, v_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+    def forward(self, x, residual, positions, cos, sin, k_cache, v_cache, meta, activations=None):
+        """This layer's output and the residual stream before it: their sum is the hidden state.
+        ``activations``: the dtype its linears take their rows in (None: the model's)."""
+        x, residual = self.input_layernorm(x, residual, activations)
+        x = self.self_attn(x, positions, cos, sin, k_cache, v_cache, meta, activations)
+        x, residual = self.post_attention_layernorm(x, residual, activations)
         return self.mlp(x), residual
 
 
@@ -213,6 +217,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_layers: DecodeLayers | None = None  # with the CPU kernels and float16 weights
         self._decode_rows = 0
+        self._batched_activations: torch.dtype | None = None  # bfloat16 with bfloat16 batched weights
 
     def forward(
         self,
@@ -242,8 +247,11 @@ class CausalLM(nn.Module):
             else:
                 cos = cos_table.index_select(0, positions).unsqueeze(1)
                 sin = sin_table.index_select(0, positions).unsqueeze(1)
+            # Rows that the batched bfloat16 weights multiply are rounded to bfloat16 where they are made.
+            activations = self._batched_activations if len(input_ids) > self._decode_rows else None
             for index, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta)
+                x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta,
+                                    activations)
         hidden = (x + residual).index_select(0, logits_indices)
         return self.lm_head(self.norm(hidden)[0])
 
@@ -288,6 +296,7 @@ class CausalLM(nn.Module):
         attention = self.layers[0].self_attn
         usable = kernels is not None and kernels.supports_attention(
             attention.num_heads, attention.num_kv_heads, attention.head_dim)
+        self._batched_activations = batched_dtype if batched_dtype != torch.float32 else None
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
