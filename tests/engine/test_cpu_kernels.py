@@ -254,6 +254,36 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-5)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("tokens, prefix, heads, kv_heads, head_dim", [
+    (512, 0, 9, 3, 64),  # the default model's first chunk
+    (37, 100, 9, 3, 64),  # a chunk after a prefix, neither a whole number of blocks
+    (5, 0, 4, 4, 32),
+    (70, 33, 8, 2, 128),
+    (1, 700, 9, 3, 64),
+])
+def test_prefill_attention_is_causal_attention_over_the_slots_in_bfloat16(kernels, tokens, prefix, heads, kv_heads,
+                                                                          head_dim):
+    if not kernels.attends_prefills(heads, kv_heads, head_dim):
+        assert not kernels.int8_block_rows  # only the AMX build has it
+        pytest.skip("prefill attention is the AMX build's")
+    torch.manual_seed(tokens)
+    context, num_slots = tokens + prefix, tokens + prefix + 50
+    k_cache, v_cache = torch.randn(num_slots, kv_heads, head_dim), torch.randn(num_slots, kv_heads, head_dim)
+    slots = torch.randperm(num_slots)[:context]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # rows as a fused projection leaves them
+    out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
+    kernels.prefill_attention(q, k_cache, v_cache, slots, head_dim ** -0.5, out)
+
+    # the reference: the same bfloat16 inputs, in float32 throughout
+    q, k, v = (t.bfloat16().float().transpose(0, 1)[None] for t in (q, k_cache[slots], v_cache[slots]))
+    causal = torch.ones(tokens, context, dtype=torch.bool).tril(prefix)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=head_dim ** -0.5, enable_gqa=True)
+    # bfloat16 probabilities and output: a few units of bfloat16's last place
+    torch.testing.assert_close(out.float(), expected[0].transpose(0, 1), rtol=0.02, atol=0.01)
+
+
 def test_decode_attention_refuses_a_layout_it_does_not_take(kernels):
     assert not kernels.supports_attention(4, 4, 12)
     with pytest.raises(ValueError, match="does not take 4 heads"):

@@ -358,6 +358,256 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
     }
     free(xb);
 }
+
+/* Causal attention of a prefill chunk in AMX tiles, flash style. For each query head and block of 16
+ * query rows, blocks of ATTENTION_KEYS keys are scored (bfloat16 products, float32 sums), softmaxed online
+ * in float32, rounded to bfloat16 and multiplied by the values. Tiles 0: queries or probabilities; 1: keys
+ * or values; 2-5: four 16 x 16 float32 sums (scores of 16 keys each, or 16 output columns each). */
+#define ATTENTION_KEYS 64
+#define ATTENTION_MAX_HEAD_DIM 256
+
+static void configure_attention_tiles(void)
+{
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        config.rows[t] = AMX_ROWS;
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* 2^x for x <= 0, to about 4e-5 relative (the probabilities are rounded to bfloat16): 2^n · p(r),
+ * r = (x - n) ln 2, p of degree 4. */
+static inline __m512 exp2_nonpositive(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147181f));
+    __m512 p = _mm512_set1_ps(1.0f / 24);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lanes [0, 16) of a 16-key vector that starts `first` keys into the block, where `limit` keys are valid. */
+static inline __mmask16 keys_below(int64_t limit, int64_t first)
+{
+    int64_t valid = limit - first;
+    return valid >= 16 ? (__mmask16)0xFFFF : valid <= 0 ? (__mmask16)0 : (__mmask16)((1u << valid) - 1);
+}
+
+/* Online softmax of one block's scores (in units of log2 once multiplied by `scale`, ATTENTION_KEYS per row,
+ * `limits[i]` of row i valid; all of them where `whole`): each row's running maximum moves on, its block's
+ * sums go to block_sums (16 lanes, added up at the end), the probabilities to p in bfloat16, and rescale[i]
+ * is what row i's output and sums so far are multiplied by. */
+static inline __attribute__((always_inline)) void softmax_block(
+    const float scores[][ATTENTION_KEYS], const int64_t *limits, int whole, float scale, float *maximum,
+    float block_sums[][16], float *rescale, uint16_t p[][ATTENTION_KEYS])
+{
+    __attribute__((aligned(64))) float moved[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) {
+        __m512 t[ATTENTION_KEYS / 16];
+        __mmask16 valid[ATTENTION_KEYS / 16];
+        __m512 block_max = _mm512_set1_ps(-INFINITY);
+        for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
+            valid[v] = whole ? (__mmask16)0xFFFF : keys_below(limits[i], v * 16);
+            t[v] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[v], _mm512_loadu_ps(scores[i] + v * 16),
+                                      _mm512_set1_ps(scale));
+            block_max = _mm512_max_ps(block_max, t[v]);
+        }
+        float new_max = fmaxf(maximum[i], _mm512_reduce_max_ps(block_max));
+        moved[i] = maximum[i] - new_max;
+        maximum[i] = new_max;
+        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max);
+        for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
+            __m512 e = _mm512_maskz_mov_ps(valid[v], exp2_nonpositive(_mm512_sub_ps(t[v], shift)));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256((__m256i *)(p[i] + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        _mm512_store_ps(block_sums[i], total);
+    }
+    _mm512_store_ps(rescale, exp2_nonpositive(_mm512_load_ps(moved)));
+}
+
+/* The chunk's queries and its context's keys and values, rounded to bfloat16 in the tiles' orders:
+ * q [heads][padded tokens][head_dim]; k [kv_heads][padded context / 16][head_dim / 32][16 column pairs]
+ * [16 keys][2]; v [kv_heads][padded context / 32][head_dim / 16][16 key pairs][16 columns][2]. Padding is
+ * zero. Query row t is q_rows + t · q_stride; context position c is slot slots[c] of the caches. */
+static void pack_for_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t tokens, int64_t padded_tokens, int64_t context, int64_t padded_context,
+                               uint16_t *q, uint16_t *k, uint16_t *v, int threads)
+{
+    int64_t kv_size = num_kv_heads * head_dim;
+    /* a tile row (16 keys' column pair) is 16 four-byte lanes */
+    const __m512i pair_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                 _mm512_set1_epi32(16));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < padded_tokens; t++)
+            for (int64_t h = 0; h < num_heads; h++) {
+                uint16_t *row = q + (h * padded_tokens + t) * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 16) {
+                    __m512 values = t < tokens ? _mm512_loadu_ps(q_rows + t * q_stride + h * head_dim + d)
+                                               : _mm512_setzero_ps();
+                    _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(values));
+                }
+            }
+        /* keys: per key and 32 columns, 16 column pairs of 4 bytes, 16 keys apart */
+#pragma omp for schedule(static) nowait
+        for (int64_t c = 0; c < padded_context; c++)
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *key = c < context ? k_cache + slots[c] * kv_size + h * head_dim : NULL;
+                uint16_t *base = k + ((h * (padded_context / 16) + c / 16) * (head_dim / 32)) * 512 + (c % 16) * 2;
+                for (int64_t d = 0; d < head_dim; d += 32) {
+                    __m512i pairs = key ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(key + d + 16),
+                                                                       _mm512_loadu_ps(key + d))
+                                        : _mm512_setzero_si512();
+                    _mm512_i32scatter_epi32(base + d / 32 * 512, pair_rows, pairs, 4);
+                }
+            }
+        /* values: per pair of keys and 16 columns, the 32 values interleaved key by key */
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < padded_context; c += 2)
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *first = c < context ? v_cache + slots[c] * kv_size + h * head_dim : NULL;
+                const float *second = c + 1 < context ? v_cache + slots[c + 1] * kv_size + h * head_dim : NULL;
+                uint16_t *base = v + ((h * (padded_context / 32) + c / 32) * (head_dim / 16)) * 512 + (c % 32) / 2 * 32;
+                for (int64_t d = 0; d < head_dim; d += 16) {
+                    __m512 a = first ? _mm512_loadu_ps(first + d) : _mm512_setzero_ps();
+                    __m512 b = second ? _mm512_loadu_ps(second + d) : _mm512_setzero_ps();
+                    __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a); /* a's 16 values, then b's */
+                    _mm512_storeu_si512(base + d / 16 * 512, _mm512_permutexvar_epi16(interleave, both));
+                }
+            }
+    }
+}
+
+/* sums: a tile number, 2 + s, spelled out: the tile instructions take it as a literal */
+#define SCORE_KEYS(s, sums) do { _tile_loadd(1, kp + (s) * key_tile_stride, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
+#define VALUE_COLUMNS(c, sums) do { _tile_loadd(1, vp + (c) * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
+
+/* Attention of a prefill chunk of `tokens` queries (rows of float32 q_rows, q_stride apart, each its heads'
+ * head_dim columns in turn) over `context` positions (slots[c] of one layer's float32 caches [slots, kv_heads,
+ * head_dim]), of which the chunk's own are the last: query row i attends positions up to context - tokens + i.
+ * out [tokens][heads][head_dim] bfloat16. Returns -1, computing nothing, for a shape it does not take:
+ * head_dim not a multiple of 32 or above 256, heads not a multiple of kv_heads, or context < tokens. */
+int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
+                             const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t tokens, int64_t context, float scale, uint16_t *out, int threads)
+{
+    if (head_dim % 32 || head_dim > ATTENTION_MAX_HEAD_DIM || num_heads % num_kv_heads || context < tokens)
+        return -1;
+    int64_t group = num_heads / num_kv_heads, q_blocks = (tokens + AMX_ROWS - 1) / AMX_ROWS;
+    int64_t padded_tokens = q_blocks * AMX_ROWS;
+    int64_t padded_context = (context + ATTENTION_KEYS - 1) / ATTENTION_KEYS * ATTENTION_KEYS;
+    int64_t key_tile_stride = head_dim / 32 * 512, offset = context - tokens;
+    float log2_scale = scale * 1.44269504f;
+    uint16_t *q = aligned_alloc(64, (size_t)(num_heads * padded_tokens * head_dim * 2));
+    uint16_t *k = aligned_alloc(64, (size_t)(num_kv_heads * padded_context * head_dim * 2));
+    uint16_t *v = aligned_alloc(64, (size_t)(num_kv_heads * padded_context * head_dim * 2));
+    pack_for_attention(q_rows, q_stride, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, tokens,
+                       padded_tokens, context, padded_context, q, k, v, threads);
+#pragma omp parallel num_threads(threads)
+    {
+        __attribute__((aligned(64))) float scores[AMX_ROWS][ATTENTION_KEYS];
+        __attribute__((aligned(64))) uint16_t p[AMX_ROWS][ATTENTION_KEYS];
+        __attribute__((aligned(64))) float acc[AMX_ROWS][ATTENTION_MAX_HEAD_DIM];
+        __attribute__((aligned(64))) float block_out[AMX_ROWS][ATTENTION_MAX_HEAD_DIM];
+        __attribute__((aligned(64))) float sums[AMX_ROWS][16], block_sums[AMX_ROWS][16], rescale[AMX_ROWS];
+        float maximum[AMX_ROWS];
+        int64_t limits[AMX_ROWS];
+        configure_attention_tiles();
+        /* the last blocks, which attend the most keys, first */
+#pragma omp for schedule(dynamic) collapse(2)
+        for (int64_t b = q_blocks - 1; b >= 0; b--)
+            for (int64_t h = 0; h < num_heads; h++) {
+                int64_t row0 = b * AMX_ROWS, kv = h / group;
+                int64_t keys = offset + row0 + AMX_ROWS < context ? offset + row0 + AMX_ROWS : context;
+                const uint16_t *qh = q + (h * padded_tokens + row0) * head_dim;
+                const uint16_t *kh = k + kv * padded_context * head_dim, *vh = v + kv * padded_context * head_dim;
+                for (int i = 0; i < AMX_ROWS; i++) {
+                    maximum[i] = -INFINITY;
+                    _mm512_store_ps(sums[i], _mm512_setzero_ps());
+                    for (int64_t d = 0; d < head_dim; d += 16)
+                        _mm512_store_ps(acc[i] + d, _mm512_setzero_ps());
+                }
+                for (int64_t first = 0; first < keys; first += ATTENTION_KEYS) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    for (int64_t d = 0; d < head_dim / 32; d++) {
+                        const uint16_t *kp = kh + first / 16 * key_tile_stride + d * 512;
+                        _tile_loadd(0, qh + d * 32, head_dim * 2);
+                        SCORE_KEYS(0, 2);
+                        SCORE_KEYS(1, 3);
+                        SCORE_KEYS(2, 4);
+                        SCORE_KEYS(3, 5);
+                    }
+                    _tile_stored(2, &scores[0][0], ATTENTION_KEYS * 4);
+                    _tile_stored(3, &scores[0][16], ATTENTION_KEYS * 4);
+                    _tile_stored(4, &scores[0][32], ATTENTION_KEYS * 4);
+                    _tile_stored(5, &scores[0][48], ATTENTION_KEYS * 4);
+                    for (int i = 0; i < AMX_ROWS; i++)
+                        limits[i] = offset + row0 + i + 1 - first;
+                    softmax_block(scores, limits, limits[0] >= ATTENTION_KEYS, log2_scale, maximum, block_sums,
+                                  rescale, p);
+                    for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
+                        int64_t columns = head_dim / 16 - c0 < 4 ? head_dim / 16 - c0 : 4;
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_zero(4);
+                        _tile_zero(5);
+                        for (int half = 0; half < ATTENTION_KEYS / 32; half++) {
+                            const uint16_t *vp = vh + ((first / 32 + half) * (head_dim / 16) + c0) * 512;
+                            _tile_loadd(0, &p[0][half * 32], ATTENTION_KEYS * 2);
+                            VALUE_COLUMNS(0, 2);
+                            VALUE_COLUMNS(1, 3);
+                            if (columns > 2) {
+                                VALUE_COLUMNS(2, 4);
+                                VALUE_COLUMNS(3, 5);
+                            }
+                        }
+                        _tile_stored(2, &block_out[0][c0 * 16], ATTENTION_MAX_HEAD_DIM * 4);
+                        _tile_stored(3, &block_out[0][c0 * 16 + 16], ATTENTION_MAX_HEAD_DIM * 4);
+                        if (columns > 2) {
+                            _tile_stored(4, &block_out[0][c0 * 16 + 32], ATTENTION_MAX_HEAD_DIM * 4);
+                            _tile_stored(5, &block_out[0][c0 * 16 + 48], ATTENTION_MAX_HEAD_DIM * 4);
+                        }
+                    }
+                    for (int i = 0; i < AMX_ROWS; i++) {
+                        __m512 factor = _mm512_set1_ps(rescale[i]);
+                        _mm512_store_ps(sums[i], _mm512_fmadd_ps(_mm512_load_ps(sums[i]), factor,
+                                                                 _mm512_load_ps(block_sums[i])));
+                        for (int64_t d = 0; d < head_dim; d += 16)
+                            _mm512_store_ps(acc[i] + d, _mm512_fmadd_ps(_mm512_load_ps(acc[i] + d), factor,
+                                                                        _mm512_load_ps(block_out[i] + d)));
+                    }
+                }
+                for (int i = 0; i < AMX_ROWS && row0 + i < tokens; i++) {
+                    __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sums[i])));
+                    uint16_t *o = out + ((row0 + i) * num_heads + h) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d += 16)
+                        _mm256_storeu_si256((__m256i *)(o + d),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[i] + d), inverse)));
+                }
+            }
+    }
+    free(q);
+    free(k);
+    free(v);
+    return 0;
+}
+#undef SCORE_KEYS
+#undef VALUE_COLUMNS
 #else
 int tandem_linear_int8_block_rows(void)
 {
@@ -367,6 +617,13 @@ int tandem_linear_int8_block_rows(void)
 int tandem_linear_amx_min_rows(void)
 {
     return 0;
+}
+
+int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
+                             const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t tokens, int64_t context, float scale, uint16_t *out, int threads)
+{
+    return -1; /* the AMX build's alone */
 }
 #endif
 

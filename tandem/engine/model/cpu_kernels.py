@@ -91,6 +91,10 @@ class CpuKernels:
         self._decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
                                         i64, ptr, ctypes.c_int]
         self._decode_layers.restype = ctypes.c_int
+        self._prefill_attention = c.tandem_prefill_attention
+        self._prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
+                                            ctypes.c_int]
+        self._prefill_attention.restype = ctypes.c_int
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype, group: int | None = INT8_GROUP) -> "PackedWeight":
         """``weight`` [n, k] (k a multiple of ``chunk``) in the tiled layout ``linear`` reads, as float16,
@@ -236,6 +240,28 @@ class CpuKernels:
                                      torch.get_num_threads())
         _check_attention_status(status, "decode_layers", shape.num_heads, shape.num_kv_heads, shape.head_dim)
         return x, residual
+
+    def attends_prefills(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether ``prefill_attention`` runs here (the AMX build) for this head layout."""
+        return bool(self.int8_block_rows) and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          scale: float, out: torch.Tensor) -> None:
+        """Causal attention of a prefill chunk's queries ``q`` [tokens, heads, head_dim] (float32, each token's
+        heads contiguous) over the positions in ``slots`` [context] of one layer's caches [slots, kv_heads,
+        head_dim] (float32), the chunk's own last, in bfloat16 tiles (float32 sums); into ``out`` [tokens,
+        heads, head_dim] bfloat16."""
+        tokens, heads, head_dim = q.shape
+        if q.dtype != torch.float32 or q.stride()[1:] != (head_dim, 1) or out.dtype != torch.bfloat16 \
+                or not out.is_contiguous() or out.shape != q.shape or slots.dtype != torch.int64 \
+                or not slots.is_contiguous():
+            raise ValueError("prefill_attention needs float32 queries with each token's heads contiguous, a "
+                             "contiguous bfloat16 output of their shape and contiguous int64 slots")
+        _check_float32(k_cache, v_cache)
+        status = self._prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         slots.data_ptr(), heads, k_cache.shape[1], head_dim, tokens, len(slots),
+                                         scale, out.data_ptr(), torch.get_num_threads())
+        _check_attention_status(status, "prefill_attention", heads, k_cache.shape[1], head_dim)
 
     def supports_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``decode_attention`` takes this head layout (see ``tandem_decode_attention``)."""

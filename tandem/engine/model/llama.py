@@ -111,6 +111,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.cpu_kernels: CpuKernels | None = None
         self.prefill_dtype: torch.dtype | None = None  # prefill chunks' attention in it, where not the model's
+        self.prefill_kernel = False  # prefill chunks attend through the CPU kernels' bfloat16 tiles
 
     def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata,
                 activations: torch.dtype | None = None) -> torch.Tensor:
@@ -146,6 +147,10 @@ class Attention(nn.Module):
             ).squeeze(2)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            if self.prefill_kernel and out.dtype == torch.bfloat16:
+                slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots
+                self.cpu_kernels.prefill_attention(q[rows], k_cache, v_cache, slots, self.scale, out[rows])
+                continue
             if chunk.context_slots is None:
                 keys, values = k[rows], v[rows]
             else:
@@ -306,6 +311,8 @@ class CausalLM(nn.Module):
                 module.cpu_kernels = kernels
             if isinstance(module, Attention):
                 module.prefill_dtype = prefill_attention_dtype
+                module.prefill_kernel = usable and prefill_attention_dtype == torch.bfloat16 and \
+                    kernels.attends_prefills(module.num_heads, module.num_kv_heads, module.head_dim)
         linears = [dict(zip(DecodeLayers.LINEARS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)))
                    for layer in self.layers]
