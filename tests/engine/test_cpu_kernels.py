@@ -4,6 +4,9 @@ a step of decodes run through all the layers in one call against the same step o
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,6 +177,16 @@ def test_a_machine_that_cannot_build_them_runs_on_torch_ops(kernels, fresh_load,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert fresh_load(kernels.isa) is None
     assert f"could not build or load the {kernels.isa} CPU kernels" in caplog.text
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.usable_isas() or ["none"])
+def test_every_build_this_cpu_runs_compiles(isa, tmp_path):
+    """The kernel tests skip a build that does not load, as a process refused the AMX tile state must; a
+    build that does not compile would hide behind that skip, and workers would run a narrower one."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if isa == "none" or compiler is None:
+        pytest.skip("no build of the kernels, or no compiler, here")
+    cpu_kernels._build(compiler, cpu_kernels._flags(isa), tmp_path / f"{isa}.so")
 
 
 def test_a_build_that_does_not_load_leaves_the_next_widest(fresh_load, monkeypatch):

@@ -410,21 +410,21 @@ static inline __attribute__((always_inline)) void softmax_block(
 {
     __attribute__((aligned(64))) float moved[AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) {
-        __m512 t[ATTENTION_KEYS / 16];
+        __m512 s[ATTENTION_KEYS / 16];
         __mmask16 valid[ATTENTION_KEYS / 16];
         __m512 block_max = _mm512_set1_ps(-INFINITY);
         for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
             valid[v] = whole ? (__mmask16)0xFFFF : keys_below(limits[i], v * 16);
-            t[v] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[v], _mm512_loadu_ps(scores[i] + v * 16),
-                                      _mm512_set1_ps(scale));
-            block_max = _mm512_max_ps(block_max, t[v]);
+            s[v] = _mm512_maskz_loadu_ps(valid[v], scores[i] + v * 16);
+            block_max = _mm512_mask_max_ps(block_max, valid[v], block_max, s[v]);
         }
-        float new_max = fmaxf(maximum[i], _mm512_reduce_max_ps(block_max));
+        /* scale > 0: the largest scaled score is the largest score, scaled */
+        float new_max = fmaxf(maximum[i], _mm512_reduce_max_ps(block_max) * scale);
         moved[i] = maximum[i] - new_max;
         maximum[i] = new_max;
-        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max);
+        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max), factor = _mm512_set1_ps(scale);
         for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
-            __m512 e = _mm512_maskz_mov_ps(valid[v], exp2_nonpositive(_mm512_sub_ps(t[v], shift)));
+            __m512 e = _mm512_maskz_mov_ps(valid[v], exp2_nonpositive(_mm512_fmsub_ps(s[v], factor, shift)));
             total = _mm512_add_ps(total, e);
             _mm256_storeu_si256((__m256i *)(p[i] + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
         }
@@ -525,10 +525,11 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
         float maximum[AMX_ROWS];
         int64_t limits[AMX_ROWS];
         configure_attention_tiles();
-        /* the last blocks, which attend the most keys, first */
+        /* head by head, so that the threads read one head's keys and values at a time; in each, the last
+         * blocks, which attend the most keys, first */
 #pragma omp for schedule(dynamic) collapse(2)
-        for (int64_t b = q_blocks - 1; b >= 0; b--)
-            for (int64_t h = 0; h < num_heads; h++) {
+        for (int64_t h = 0; h < num_heads; h++)
+            for (int64_t b = q_blocks - 1; b >= 0; b--) {
                 int64_t row0 = b * AMX_ROWS, kv = h / group;
                 int64_t keys = offset + row0 + AMX_ROWS < context ? offset + row0 + AMX_ROWS : context;
                 const uint16_t *qh = q + (h * padded_tokens + row0) * head_dim;
@@ -1127,6 +1128,57 @@ void tandem_rms_norm_bf16(const float *x, float *residual, const float *weight, 
     rms_norm_rows(x, residual, weight, rows, size, eps, out, threads, 1);
 }
 
+#ifdef __AVX512F__
+/* e^x for x <= 0, 16 at a time, to exp_nonpositive's precision */
+static inline __m512 exp_nonpositive16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 silu_and_mul16(__m512 g, __m512 u)
+{
+    /* as silu_and_mul8 */
+    __m512 e = exp_nonpositive16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g),
+                                                                      _mm512_set1_epi32((int)0x80000000))));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+    return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
+static inline __m512 load_sixteen(const void *p, int64_t i, int bf16)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)p + i);
+    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+static inline void store_sixteen(void *p, int64_t i, __m512 v, int bf16)
+{
+    if (!bf16) {
+        _mm512_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bits));
+}
+#endif
+
 /* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row), float32; or,
  * where bf16 (a constant at every call site), both bfloat16, computed in float32 and rounded back. */
 static inline __attribute__((always_inline)) void silu_and_mul_rows(const void *gate_up, int64_t rows, int64_t size,
@@ -1135,6 +1187,11 @@ static inline __attribute__((always_inline)) void silu_and_mul_rows(const void *
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         int64_t gate = r * 2 * size, up = gate + size, i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= size; i += 16)
+            store_sixteen(out, r * size + i, silu_and_mul16(load_sixteen(gate_up, gate + i, bf16),
+                                                            load_sixteen(gate_up, up + i, bf16)), bf16);
+#endif
         for (; i + 8 <= size; i += 8)
             store_eight(out, r * size + i,
                         silu_and_mul8(load_eight(gate_up, gate + i, bf16), load_eight(gate_up, up + i, bf16)), bf16);
