@@ -82,7 +82,8 @@ def unpacked(packed):
 @pytest.mark.parametrize("dtype, group, rows, width, outputs", [
     (dtype, group, *shape)
     for dtype, group in [(torch.float16, None), (torch.int8, None), (torch.int8, 16), (torch.int8, 32)]
-    for shape in [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64)] if group is None or shape[1] % group == 0])
+    for shape in [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64), (20, 576, 40), (49, 64, 33)]
+    if group is None or shape[1] % group == 0])
 def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, group, rows, width, outputs):
     """In float32, but for the AMX build's int8 steps of ``amx_min_rows`` rows or more: there the tiles multiply
     the rows and the scaled weights rounded to bfloat16, summing in float32."""

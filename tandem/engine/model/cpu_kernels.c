@@ -1,4 +1,4 @@
-/* CPU kernels for decode steps of a float32 model, on AVX2 + FMA + F16C; work is shared out between
+/* CPU kernels for the steps of a float32 model, on AVX2 + FMA + F16C; work is shared out between
  * `threads` OpenMP threads of torch's own libgomp (already loaded when this library is).
  *
  * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w. A decode step
@@ -16,6 +16,9 @@
  * read in place through the sequence's block table: one pass over the keys and values with an online
  * softmax, the query heads that share a key-value head together, and the positions that all the
  * sequences share (a common prompt prefix) read once for all of them.
+ *
+ * tandem_prefill_attention (the AMX build): a prefill chunk's causal attention over its context, flash style in
+ * AMX tiles (below amx_linear).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -167,8 +170,9 @@ static inline __attribute__((always_inline)) void tile_all_rows(
  * group of 32 columns (a tile's depth) by group, each group as its blocks one after the other, each block
  * [16 column pairs][16 weight rows][2] int8, the tiles' own order, so that a pass reads one stream. The
  * float16 scales, one per weight row and group, follow the same order: [groups][blocks][16]. A
- * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer; the rows x
- * are rounded to bfloat16 once per call, 16 at a time, and each tile of them meets AMX_BLOCKS blocks. */
+ * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer once for
+ * every 32 rows of x; the rows are rounded to bfloat16 once per call, and each tile of 16 of them meets
+ * AMX_BLOCKS blocks. */
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -201,13 +205,14 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tiles 0, 1: sums; 2: rows of x; 3, 4: widened weights; all 16 rows of 64 bytes */
+/* tiles 0, 1 and 5, 6: sums of two blocks of rows; 2 and 7: those rows of x; 3, 4: widened weights; all
+ * 16 rows of 64 bytes */
 static void configure_tiles(void)
 {
     tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 5; t++) {
+    for (int t = 0; t < 8; t++) {
         config.rows[t] = AMX_ROWS;
         config.bytes_per_row[t] = 64;
     }
@@ -334,9 +339,13 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
             int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
             const int8_t *wp = w + n * k_size;
             const uint16_t *sp = scales + n * groups;
-            for (int64_t m = 0; m < padded_rows; m += AMX_ROWS) {
+            /* two blocks of 16 rows at a time, so that each group is widened once for both */
+            for (int64_t m = 0; m < padded_rows; m += 2 * AMX_ROWS) {
+                int second = m + AMX_ROWS < padded_rows;
                 _tile_zero(0);
                 _tile_zero(1);
+                _tile_zero(5);
+                _tile_zero(6);
                 for (int64_t g = 0; g < groups; g++) {
                     const int8_t *wg = wp + g * AMX_BLOCKS * 512;
                     for (int line = 0; line < AMX_BLOCKS * 512; line += 64)
@@ -345,14 +354,28 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
                         widen_group(wg + b * 512, sp + (g * AMX_BLOCKS + b) * 16, widened[b]);
                     _tile_loadd(2, xb + m * k_size + g * 32, k_size * 2);
                     _tile_loadd(3, widened[0], 64);
-                    _tile_dpbf16ps(0, 2, 3);
                     _tile_loadd(4, widened[1], 64);
+                    _tile_dpbf16ps(0, 2, 3);
                     _tile_dpbf16ps(1, 2, 4);
+                    if (second) {
+                        _tile_loadd(7, xb + (m + AMX_ROWS) * k_size + g * 32, k_size * 2);
+                        _tile_dpbf16ps(5, 7, 3);
+                        _tile_dpbf16ps(6, 7, 4);
+                    }
                 }
-                _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
-                _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
-                int64_t rows_here = rows - m < AMX_ROWS ? rows - m : AMX_ROWS;
-                store_pass(&sums[0][0], AMX_ROWS * AMX_BLOCKS, rows_here, columns, bias, y + m * n_size, n_size, n);
+                for (int half = 0; half <= second; half++) {
+                    int64_t first = m + half * AMX_ROWS;
+                    if (half) {
+                        _tile_stored(5, sums, AMX_ROWS * AMX_BLOCKS * 4);
+                        _tile_stored(6, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+                    } else {
+                        _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
+                        _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+                    }
+                    int64_t rows_here = rows - first < AMX_ROWS ? rows - first : AMX_ROWS;
+                    store_pass(&sums[0][0], AMX_ROWS * AMX_BLOCKS, rows_here, columns, bias, y + first * n_size,
+                               n_size, n);
+                }
             }
         }
     }

@@ -1,10 +1,12 @@
-"""CPU kernels for the decode steps of a float32 model (``cpu_kernels.c``), built on first use.
+"""CPU kernels for the steps of a float32 model (``cpu_kernels.c``), built on first use.
 
 - ``linear``: rows times a float16 weight (half the bytes of a float32 weight) or an int8 weight with a
   scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), packed by ``pack``, in float32
   arithmetic; in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
   with float32 sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
+- ``prefill_attention`` (the AMX build): a prefill chunk's causal attention over its context, read from the
+  paged cache by slot, in bfloat16 tiles with float32 sums;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
 - ``decode_layers``: all the decoder layers of a step of decodes in one call.
