@@ -521,7 +521,8 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
  * head_dim columns in turn) over `context` positions (slots[c] of one layer's float32 caches [slots, kv_heads,
  * head_dim]), of which the chunk's own are the last: query row i attends positions up to context - tokens + i.
  * out [tokens][heads][head_dim] bfloat16. Returns -1, computing nothing, for a shape it does not take:
- * head_dim not a multiple of 32 or above 256, heads not a multiple of kv_heads, or context < tokens. */
+ * head_dim not a multiple of 32 or above 256, heads not a multiple of kv_heads, or context < tokens; -2
+ * where its packed copies could not be allocated. */
 int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
                              const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t tokens, int64_t context, float scale, uint16_t *out, int threads)
@@ -536,6 +537,12 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
     uint16_t *q = aligned_alloc(64, (size_t)(num_heads * padded_tokens * head_dim * 2));
     uint16_t *k = aligned_alloc(64, (size_t)(num_kv_heads * padded_context * head_dim * 2));
     uint16_t *v = aligned_alloc(64, (size_t)(num_kv_heads * padded_context * head_dim * 2));
+    if (!q || !k || !v) {
+        free(q);
+        free(k);
+        free(v);
+        return -2;
+    }
     pack_for_attention(q_rows, q_stride, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, tokens,
                        padded_tokens, context, padded_context, q, k, v, threads);
 #pragma omp parallel num_threads(threads)

@@ -363,7 +363,7 @@ class BlockTables:
 
 def _check_attention_status(status: int, kernel: str, heads: int, kv_heads: int, head_dim: int) -> None:
     if status == -2:
-        raise MemoryError(f"{kernel} could not allocate the attention states of the positions its sequences share")
+        raise MemoryError(f"{kernel} could not allocate its working memory")
     if status != 0:
         raise ValueError(f"{kernel} does not take {heads} heads over {kv_heads} key-value heads of size {head_dim}")
 

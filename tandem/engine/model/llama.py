@@ -45,7 +45,9 @@ class PrefillChunk:
     token_start: int  # offset of the chunk in the flat batch
     num_tokens: int
     context_slots: torch.Tensor | None  # [context_len] slots of the cached prefix + chunk; None when no prefix
-    mask: torch.Tensor | None  # [1, 1, num_tokens, context_len] causal with the prefix offset: 0 or -inf
+    # [1, 1, num_tokens, context_len] causal with the prefix offset, 0 or -inf, for torch's attention; None
+    # without a prefix, or where the CPU kernels attend prefill chunks (they take no mask)
+    mask: torch.Tensor | None
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +149,7 @@ class Attention(nn.Module):
             ).squeeze(2)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            if self.prefill_kernel and out.dtype == torch.bfloat16:
+            if self.prefill_kernel:  # its rows are bfloat16 (``activations``): prefill steps are batched steps
                 slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots
                 self.cpu_kernels.prefill_attention(q[rows], k_cache, v_cache, slots, self.scale, out[rows])
                 continue
@@ -347,6 +349,10 @@ class CausalLM(nn.Module):
     @property
     def uses_cpu_kernels(self) -> bool:
         return self.cpu_kernels is not None
+
+    @property
+    def attends_prefills_in_kernels(self) -> bool:
+        return self.layers[0].self_attn.prefill_kernel
 
 
 class PackedLinear(nn.Module):

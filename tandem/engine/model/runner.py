@@ -327,14 +327,15 @@ class ModelRunner:
         step, attending to the positions before it in ``block_ids``."""
         if start == 0:
             return PrefillChunk(token_start, count, None, None)
-        length = start + count
+        length, device = start + count, self.torch_device
+        slots = self._context_slots(block_ids, length).to(device)
+        if self.model.attends_prefills_in_kernels:
+            return PrefillChunk(token_start, count, slots, None)
         query_positions = torch.arange(start, length)
         hidden = torch.arange(length)[None, :] > query_positions[:, None]
         # Additive, in the attention's dtype: a boolean mask would be converted to one in every layer.
         mask = torch.zeros(hidden.shape, dtype=self.prefill_attention_dtype).masked_fill_(hidden, float("-inf"))
-        device = self.torch_device
-        return PrefillChunk(token_start, count, self._context_slots(block_ids, length).to(device),
-                            mask[None, None].to(device))
+        return PrefillChunk(token_start, count, slots, mask[None, None].to(device))
 
     @torch.inference_mode()
     def teacher_forced_logits(self, tokens: list[int], start: int, count: int) -> torch.Tensor:
