@@ -269,15 +269,18 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("tokens, prefix, heads, kv_heads, head_dim", [
-    (512, 0, 9, 3, 64),  # the default model's first chunk
-    (37, 100, 9, 3, 64),  # a chunk after a prefix, neither a whole number of blocks
-    (5, 0, 4, 4, 32),
-    (70, 33, 8, 2, 128),
-    (1, 700, 9, 3, 64),
+@pytest.mark.parametrize("tokens, prefix, heads, kv_heads, head_dim, rising", [
+    (512, 0, 9, 3, 64, False),  # the default model's first chunk
+    (37, 100, 9, 3, 64, False),  # a chunk after a prefix, neither a whole number of blocks
+    (5, 0, 4, 4, 32, False),
+    (70, 33, 8, 2, 128, False),
+    (1, 700, 9, 3, 64, False),
+    # scores that rise along the context, so that rows' running maxima move and their outputs are rescaled
+    (200, 300, 9, 3, 64, True),
+    (40, 200, 6, 2, 96, True),
 ])
 def test_prefill_attention_is_causal_attention_over_the_slots_in_bfloat16(kernels, tokens, prefix, heads, kv_heads,
-                                                                          head_dim):
+                                                                          head_dim, rising):
     if not kernels.attends_prefills(heads, kv_heads, head_dim):
         assert not kernels.int8_block_rows  # only the AMX build has it
         pytest.skip("prefill attention is the AMX build's")
@@ -285,8 +288,13 @@ def test_prefill_attention_is_causal_attention_over_the_slots_in_bfloat16(kernel
     context, num_slots = tokens + prefix, tokens + prefix + 50
     k_cache, v_cache = torch.randn(num_slots, kv_heads, head_dim), torch.randn(num_slots, kv_heads, head_dim)
     slots = torch.randperm(num_slots)[:context]
+    if rising:  # every key leans towards one direction, more the later it comes; the queries lean the same way
+        lean = torch.randn(kv_heads, head_dim)
+        k_cache[slots] += torch.linspace(0, 4, context)[:, None, None] * lean
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # rows as a fused projection leaves them
+    if rising:
+        q += lean.repeat_interleave(heads // kv_heads, 0)
     out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
     kernels.prefill_attention(q, k_cache, v_cache, slots, head_dim ** -0.5, out)
 

@@ -173,6 +173,8 @@ static inline __attribute__((always_inline)) void tile_all_rows(
  * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer once for
  * every 32 rows of x; the rows are rounded to bfloat16 once per call, and each tile of 16 of them meets
  * AMX_BLOCKS blocks. */
+#include <omp.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -382,12 +384,17 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
     free(xb);
 }
 
-/* Causal attention of a prefill chunk in AMX tiles, flash style. For each query head and block of 16
- * query rows, blocks of ATTENTION_KEYS keys are scored (bfloat16 products, float32 sums), softmaxed online
- * in float32, rounded to bfloat16 and multiplied by the values. Tiles 0: queries or probabilities; 1: keys
- * or values; 2-5: four 16 x 16 float32 sums (scores of 16 keys each, or 16 output columns each). */
+/* Causal attention of a prefill chunk in AMX tiles, flash style, in two passes for each query head and block
+ * of 16 query rows. The first scores ATTENTION_KEYS keys at a time (bfloat16 products, float32 sums in tiles
+ * 2-5) and softmaxes them online in float32 into bfloat16 probabilities for the whole context. A row's
+ * running maximum moves only when a block's scores pass it by more than RESCALE_AFTER (in log2 units), so the
+ * probabilities stay below 2^RESCALE_AFTER and the output rarely needs rescaling. The second multiplies the
+ * probabilities by the values, keeping up to 64 output columns in tiles 2-5 across all the keys; they are
+ * stored and rescaled only at a block where a row's maximum moved. Tiles 0 and 1 take the queries or
+ * probabilities, and the keys or values. */
 #define ATTENTION_KEYS 64
 #define ATTENTION_MAX_HEAD_DIM 256
+#define RESCALE_AFTER 8.0f
 
 static void configure_attention_tiles(void)
 {
@@ -401,18 +408,17 @@ static void configure_attention_tiles(void)
     _tile_loadconfig(&config);
 }
 
-/* 2^x for x <= 0, to about 4e-5 relative (the probabilities are rounded to bfloat16): 2^n · p(r),
- * r = (x - n) ln 2, p of degree 4. */
-static inline __m512 exp2_nonpositive(__m512 x)
+/* 2^x for x up to RESCALE_AFTER, to about 8e-5 relative (the probabilities are rounded to bfloat16), with x
+ * below -126 taken as -126: 2^n · p(f), f = x - n in [-0.5, 0.5], p of degree 3 fitted to 2^f's relative
+ * error. */
+static inline __m512 exp2_bounded(__m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.693147181f));
-    __m512 p = _mm512_set1_ps(1.0f / 24);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05517166f), f, _mm512_set1_ps(0.24261115f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69326097f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992806f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -424,14 +430,14 @@ static inline __mmask16 keys_below(int64_t limit, int64_t first)
 }
 
 /* Online softmax of one block's scores (in units of log2 once multiplied by `scale`, ATTENTION_KEYS per row,
- * `limits[i]` of row i valid; all of them where `whole`): each row's running maximum moves on, its block's
- * sums go to block_sums (16 lanes, added up at the end), the probabilities to p in bfloat16, and rescale[i]
- * is what row i's output and sums so far are multiplied by. */
-static inline __attribute__((always_inline)) void softmax_block(
+ * `limits[i]` of row i valid; all of them where `whole`) into bfloat16 probabilities p (row i at p + i ·
+ * p_stride) and each row's 16 lanes of sums. Where a row's maximum moves, rescale[i] is what its output and
+ * sums so far are multiplied by (1 elsewhere); returns whether any row's did. */
+static inline __attribute__((always_inline)) int softmax_block(
     const float scores[][ATTENTION_KEYS], const int64_t *limits, int whole, float scale, float *maximum,
-    float block_sums[][16], float *rescale, uint16_t p[][ATTENTION_KEYS])
+    float sums[][16], float *rescale, uint16_t *p, int64_t p_stride)
 {
-    __attribute__((aligned(64))) float moved[AMX_ROWS];
+    int moved = 0;
     for (int i = 0; i < AMX_ROWS; i++) {
         __m512 s[ATTENTION_KEYS / 16];
         __mmask16 valid[ATTENTION_KEYS / 16];
@@ -441,19 +447,23 @@ static inline __attribute__((always_inline)) void softmax_block(
             s[v] = _mm512_maskz_loadu_ps(valid[v], scores[i] + v * 16);
             block_max = _mm512_mask_max_ps(block_max, valid[v], block_max, s[v]);
         }
-        /* scale > 0: the largest scaled score is the largest score, scaled */
-        float new_max = fmaxf(maximum[i], _mm512_reduce_max_ps(block_max) * scale);
-        moved[i] = maximum[i] - new_max;
-        maximum[i] = new_max;
-        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(new_max), factor = _mm512_set1_ps(scale);
-        for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
-            __m512 e = _mm512_maskz_mov_ps(valid[v], exp2_nonpositive(_mm512_fmsub_ps(s[v], factor, shift)));
-            total = _mm512_add_ps(total, e);
-            _mm256_storeu_si256((__m256i *)(p[i] + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
+        /* scale > 0: a scaled score passes maximum + RESCALE_AFTER where the score passes that, unscaled */
+        rescale[i] = 1.0f;
+        if (_mm512_cmp_ps_mask(block_max, _mm512_set1_ps((maximum[i] + RESCALE_AFTER) / scale), _CMP_GT_OQ)) {
+            float candidate = _mm512_reduce_max_ps(block_max) * scale;
+            rescale[i] = exp2f(maximum[i] - candidate);
+            maximum[i] = candidate;
+            moved = 1;
         }
-        _mm512_store_ps(block_sums[i], total);
+        __m512 total = _mm512_setzero_ps(), shift = _mm512_set1_ps(maximum[i]), factor = _mm512_set1_ps(scale);
+        for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
+            __m512 e = _mm512_maskz_mov_ps(valid[v], exp2_bounded(_mm512_fmsub_ps(s[v], factor, shift)));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256((__m256i *)(p + i * p_stride + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        _mm512_store_ps(sums[i], _mm512_fmadd_ps(_mm512_load_ps(sums[i]), _mm512_set1_ps(rescale[i]), total));
     }
-    _mm512_store_ps(rescale, exp2_nonpositive(_mm512_load_ps(moved)));
+    return moved;
 }
 
 /* The chunk's queries and its context's keys and values, rounded to bfloat16 in the tiles' orders:
@@ -517,12 +527,67 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
 #define SCORE_KEYS(s, sums) do { _tile_loadd(1, kp + (s) * key_tile_stride, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 #define VALUE_COLUMNS(c, sums) do { _tile_loadd(1, vp + (c) * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 
+/* Stores the output tiles of `columns` (up to 4) column tiles into o [16][ATTENTION_MAX_HEAD_DIM]. */
+static inline __attribute__((always_inline)) void store_output_tiles(float o[][ATTENTION_MAX_HEAD_DIM], int columns)
+{
+    _tile_stored(2, &o[0][0], ATTENTION_MAX_HEAD_DIM * 4);
+    if (columns > 1)
+        _tile_stored(3, &o[0][16], ATTENTION_MAX_HEAD_DIM * 4);
+    if (columns > 2)
+        _tile_stored(4, &o[0][32], ATTENTION_MAX_HEAD_DIM * 4);
+    if (columns > 3)
+        _tile_stored(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
+}
+
+/* Per calling thread, memory that keeps its largest size from call to call: a fresh allocation of megabytes
+ * for every layer's attention costs its page faults every time. */
+typedef struct {
+    void *memory;
+    size_t bytes;
+} scratch_memory;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_key_once = PTHREAD_ONCE_INIT;
+
+static void free_scratch(void *area)
+{
+    free(((scratch_memory *)area)->memory);
+    free(area);
+}
+
+static void make_scratch_key(void)
+{
+    pthread_key_create(&scratch_key, free_scratch);
+}
+
+/* At least `bytes` of 64-byte aligned memory, or NULL. */
+static void *scratch(size_t bytes)
+{
+    pthread_once(&scratch_key_once, make_scratch_key);
+    scratch_memory *area = pthread_getspecific(scratch_key);
+    if (!area) {
+        area = calloc(1, sizeof *area);
+        if (!area || pthread_setspecific(scratch_key, area)) {
+            free(area);
+            return NULL;
+        }
+    }
+    if (area->bytes < bytes) {
+        free(area->memory);
+        area->bytes = (bytes + 63) / 64 * 64;
+        area->memory = aligned_alloc(64, area->bytes);
+        if (!area->memory)
+            area->bytes = 0;
+    }
+    return area->memory;
+}
+
 /* Attention of a prefill chunk of `tokens` queries (rows of float32 q_rows, q_stride apart, each its heads'
  * head_dim columns in turn) over `context` positions (slots[c] of one layer's float32 caches [slots, kv_heads,
  * head_dim]), of which the chunk's own are the last: query row i attends positions up to context - tokens + i.
  * out [tokens][heads][head_dim] bfloat16. Returns -1, computing nothing, for a shape it does not take:
  * head_dim not a multiple of 32 or above 256, heads not a multiple of kv_heads, or context < tokens; -2
- * where its packed copies could not be allocated. */
+ * where its working memory could not be allocated. */
 int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
                              const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t tokens, int64_t context, float scale, uint16_t *out, int threads)
@@ -532,28 +597,32 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
     int64_t group = num_heads / num_kv_heads, q_blocks = (tokens + AMX_ROWS - 1) / AMX_ROWS;
     int64_t padded_tokens = q_blocks * AMX_ROWS;
     int64_t padded_context = (context + ATTENTION_KEYS - 1) / ATTENTION_KEYS * ATTENTION_KEYS;
-    int64_t key_tile_stride = head_dim / 32 * 512, offset = context - tokens;
+    int64_t key_blocks = padded_context / ATTENTION_KEYS, key_tile_stride = head_dim / 32 * 512;
+    int64_t offset = context - tokens;
     float log2_scale = scale * 1.44269504f;
-    uint16_t *q = aligned_alloc(64, (size_t)(num_heads * padded_tokens * head_dim * 2));
-    uint16_t *k = aligned_alloc(64, (size_t)(num_kv_heads * padded_context * head_dim * 2));
-    uint16_t *v = aligned_alloc(64, (size_t)(num_kv_heads * padded_context * head_dim * 2));
-    if (!q || !k || !v) {
-        free(q);
-        free(k);
-        free(v);
+    /* shared: the packed queries, keys and values; each thread's: its probabilities [16][padded context],
+     * and each key block's rescale factors [16] and whether any moved */
+    size_t q_count = (size_t)(num_heads * padded_tokens * head_dim), kv_count = (size_t)(num_kv_heads * padded_context * head_dim);
+    size_t p_count = (size_t)(AMX_ROWS * padded_context), thread_bytes = p_count * 2 + (size_t)key_blocks * (AMX_ROWS * 4 + 4);
+    thread_bytes = (thread_bytes + 63) / 64 * 64;
+    uint16_t *q = scratch((q_count + 2 * kv_count) * 2 + thread_bytes * threads);
+    if (!q)
         return -2;
-    }
+    uint16_t *k = q + q_count, *v = k + kv_count;
+    char *thread_memory = (char *)(v + kv_count);
     pack_for_attention(q_rows, q_stride, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, tokens,
                        padded_tokens, context, padded_context, q, k, v, threads);
 #pragma omp parallel num_threads(threads)
     {
         __attribute__((aligned(64))) float scores[AMX_ROWS][ATTENTION_KEYS];
-        __attribute__((aligned(64))) uint16_t p[AMX_ROWS][ATTENTION_KEYS];
-        __attribute__((aligned(64))) float acc[AMX_ROWS][ATTENTION_MAX_HEAD_DIM];
-        __attribute__((aligned(64))) float block_out[AMX_ROWS][ATTENTION_MAX_HEAD_DIM];
-        __attribute__((aligned(64))) float sums[AMX_ROWS][16], block_sums[AMX_ROWS][16], rescale[AMX_ROWS];
-        float maximum[AMX_ROWS];
+        __attribute__((aligned(64))) float o[AMX_ROWS][ATTENTION_MAX_HEAD_DIM];
+        __attribute__((aligned(64))) float sums[AMX_ROWS][16];
+        float maximum[AMX_ROWS], inverse[AMX_ROWS];
         int64_t limits[AMX_ROWS];
+        char *mine = thread_memory + thread_bytes * omp_get_thread_num();
+        uint16_t *p = (uint16_t *)mine;
+        float (*rescale)[AMX_ROWS] = (float (*)[AMX_ROWS])(mine + p_count * 2);
+        int32_t *moved = (int32_t *)(mine + p_count * 2 + (size_t)key_blocks * AMX_ROWS * 4);
         configure_attention_tiles();
         /* head by head, so that the threads read one head's keys and values at a time; in each, the last
          * blocks, which attend the most keys, first */
@@ -562,15 +631,15 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
             for (int64_t b = q_blocks - 1; b >= 0; b--) {
                 int64_t row0 = b * AMX_ROWS, kv = h / group;
                 int64_t keys = offset + row0 + AMX_ROWS < context ? offset + row0 + AMX_ROWS : context;
+                int64_t blocks = (keys + ATTENTION_KEYS - 1) / ATTENTION_KEYS;
                 const uint16_t *qh = q + (h * padded_tokens + row0) * head_dim;
                 const uint16_t *kh = k + kv * padded_context * head_dim, *vh = v + kv * padded_context * head_dim;
                 for (int i = 0; i < AMX_ROWS; i++) {
                     maximum[i] = -INFINITY;
                     _mm512_store_ps(sums[i], _mm512_setzero_ps());
-                    for (int64_t d = 0; d < head_dim; d += 16)
-                        _mm512_store_ps(acc[i] + d, _mm512_setzero_ps());
                 }
-                for (int64_t first = 0; first < keys; first += ATTENTION_KEYS) {
+                for (int64_t block = 0; block < blocks; block++) {
+                    int64_t first = block * ATTENTION_KEYS;
                     _tile_zero(2);
                     _tile_zero(3);
                     _tile_zero(4);
@@ -589,52 +658,55 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                     _tile_stored(5, &scores[0][48], ATTENTION_KEYS * 4);
                     for (int i = 0; i < AMX_ROWS; i++)
                         limits[i] = offset + row0 + i + 1 - first;
-                    softmax_block(scores, limits, limits[0] >= ATTENTION_KEYS, log2_scale, maximum, block_sums,
-                                  rescale, p);
-                    for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
-                        int64_t columns = head_dim / 16 - c0 < 4 ? head_dim / 16 - c0 : 4;
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        _tile_zero(4);
-                        _tile_zero(5);
-                        for (int half = 0; half < ATTENTION_KEYS / 32; half++) {
-                            const uint16_t *vp = vh + ((first / 32 + half) * (head_dim / 16) + c0) * 512;
-                            _tile_loadd(0, &p[0][half * 32], ATTENTION_KEYS * 2);
-                            VALUE_COLUMNS(0, 2);
-                            VALUE_COLUMNS(1, 3);
-                            if (columns > 2) {
-                                VALUE_COLUMNS(2, 4);
-                                VALUE_COLUMNS(3, 5);
-                            }
-                        }
-                        _tile_stored(2, &block_out[0][c0 * 16], ATTENTION_MAX_HEAD_DIM * 4);
-                        _tile_stored(3, &block_out[0][c0 * 16 + 16], ATTENTION_MAX_HEAD_DIM * 4);
-                        if (columns > 2) {
-                            _tile_stored(4, &block_out[0][c0 * 16 + 32], ATTENTION_MAX_HEAD_DIM * 4);
-                            _tile_stored(5, &block_out[0][c0 * 16 + 48], ATTENTION_MAX_HEAD_DIM * 4);
-                        }
-                    }
-                    for (int i = 0; i < AMX_ROWS; i++) {
-                        __m512 factor = _mm512_set1_ps(rescale[i]);
-                        _mm512_store_ps(sums[i], _mm512_fmadd_ps(_mm512_load_ps(sums[i]), factor,
-                                                                 _mm512_load_ps(block_sums[i])));
-                        for (int64_t d = 0; d < head_dim; d += 16)
-                            _mm512_store_ps(acc[i] + d, _mm512_fmadd_ps(_mm512_load_ps(acc[i] + d), factor,
-                                                                        _mm512_load_ps(block_out[i] + d)));
-                    }
+                    /* the first block's rescaling multiplies nothing */
+                    moved[block] = softmax_block(scores, limits, limits[0] >= ATTENTION_KEYS, log2_scale, maximum,
+                                                 sums, rescale[block], p + first, padded_context) && block > 0;
                 }
-                for (int i = 0; i < AMX_ROWS && row0 + i < tokens; i++) {
-                    __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sums[i])));
-                    uint16_t *o = out + ((row0 + i) * num_heads + h) * head_dim;
-                    for (int64_t d = 0; d < head_dim; d += 16)
-                        _mm256_storeu_si256((__m256i *)(o + d),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[i] + d), inverse)));
+                for (int i = 0; i < AMX_ROWS; i++)
+                    inverse[i] = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sums[i]));
+                for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
+                    int columns = head_dim / 16 - c0 < 4 ? (int)(head_dim / 16 - c0) : 4;
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    _tile_zero(4);
+                    _tile_zero(5);
+                    for (int64_t block = 0; block < blocks; block++) {
+                        if (moved[block]) {
+                            store_output_tiles(o, columns);
+                            for (int i = 0; i < AMX_ROWS; i++) {
+                                __m512 factor = _mm512_set1_ps(rescale[block][i]);
+                                for (int c = 0; c < columns; c++)
+                                    _mm512_store_ps(o[i] + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor));
+                            }
+                            _tile_loadd(2, &o[0][0], ATTENTION_MAX_HEAD_DIM * 4);
+                            _tile_loadd(3, &o[0][16], ATTENTION_MAX_HEAD_DIM * 4);
+                            _tile_loadd(4, &o[0][32], ATTENTION_MAX_HEAD_DIM * 4);
+                            _tile_loadd(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
+                        }
+                        for (int half = 0; half < ATTENTION_KEYS / 32; half++) {
+                            int64_t pair_block = block * (ATTENTION_KEYS / 32) + half;
+                            const uint16_t *vp = vh + (pair_block * (head_dim / 16) + c0) * 512;
+                            _tile_loadd(0, p + pair_block * 32, padded_context * 2);
+                            VALUE_COLUMNS(0, 2);
+                            if (columns > 1)
+                                VALUE_COLUMNS(1, 3);
+                            if (columns > 2)
+                                VALUE_COLUMNS(2, 4);
+                            if (columns > 3)
+                                VALUE_COLUMNS(3, 5);
+                        }
+                    }
+                    store_output_tiles(o, columns);
+                    for (int i = 0; i < AMX_ROWS && row0 + i < tokens; i++) {
+                        __m512 factor = _mm512_set1_ps(inverse[i]);
+                        uint16_t *row = out + ((row0 + i) * num_heads + h) * head_dim + c0 * 16;
+                        for (int c = 0; c < columns; c++)
+                            _mm256_storeu_si256((__m256i *)(row + c * 16),
+                                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor)));
+                    }
                 }
             }
     }
-    free(q);
-    free(k);
-    free(v);
     return 0;
 }
 #undef SCORE_KEYS
