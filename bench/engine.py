@@ -97,7 +97,7 @@ async def run_tandem(model: str, prompts: Prompts, num_requests: int, max_new_to
                      priority: str = DEFAULT_ENGINE_PRIORITY, device: str = "cpu", dtype: str | None = None,
                      cuda_graphs: bool | None = None, sampling: SamplingParams = GREEDY) -> dict:
     engine = build_engine(model, device, dtype,
-                          scheduler=SchedulerConfig(max_active_requests=num_requests, max_num_batched_tokens=512),
+                          scheduler=SchedulerConfig(max_active_requests=num_requests),
                           cuda_graphs=cuda_graphs)
     rates = engine.rates.rates()
     runner = AsyncEngine(engine, priority=priority)

@@ -146,9 +146,8 @@ def run_tandem(job: dict, precision: str) -> dict:
     num_requests = len(job["bursts"][0])
     start = time.perf_counter()
     # calibrate=False: the step-time fit is not needed here.
-    engine = build_engine(job["model_dir"], scheduler=SchedulerConfig(max_active_requests=num_requests,
-                                                                      max_num_batched_tokens=512),
-                          calibrate=False, **options)
+    scheduler = SchedulerConfig(max_active_requests=num_requests)  # the worker's step budgets
+    engine = build_engine(job["model_dir"], scheduler=scheduler, calibrate=False, **options)
     startup = time.perf_counter() - start
     runner = AsyncEngine(engine, priority=job["tandem_engine_priority"] or DEFAULT_ENGINE_PRIORITY)
 
@@ -183,7 +182,9 @@ def run_tandem(job: dict, precision: str) -> dict:
     result = _summary(job, bursts, singles, prefills)
     result["startup_s"] = startup
     result["settings"] = {**{k: str(v) for k, v in options.items()}, "max_active_requests": num_requests,
-                          "max_num_batched_tokens": 512, "torch_threads": torch.get_num_threads(),
+                          "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                          "max_prefill_step_tokens": scheduler.max_prefill_step_tokens,
+                          "torch_threads": torch.get_num_threads(),
                           "engine_priority": runner.priority}
     result["versions"] = {"torch": torch.__version__, "python": platform.python_version()}
     return result
@@ -234,7 +235,9 @@ def run_vllm(job: dict, precision: str) -> dict:
     result = _summary(job, bursts, singles, prefills)
     result["startup_s"] = startup
     result["settings"] = {"dtype": precision, "enable_prefix_caching": True, "max_model_len": CONTEXT,
-                          "max_num_seqs": max(num_requests, 8), **vllm_environment(job["threads"]),
+                          "max_num_seqs": max(num_requests, 8),
+                          "max_num_batched_tokens": llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
+                          **vllm_environment(job["threads"]),
                           "LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
     import torch
 

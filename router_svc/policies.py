@@ -144,7 +144,6 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
     appended as a new arrival."""
     report = view.report
     slots = max(1, report.max_active_requests)
-    chunk_limit = max(1, report.max_num_batched_tokens)
     capacity = report.kv_blocks_total or math.inf
     held_each = report.kv_blocks_used / max(1, view.num_running)
     # each entry: [prefill tokens left, decode tokens left, KV blocks held once running, mask seconds per token]
@@ -183,8 +182,10 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
                 work[1] -= steps
         else:
             # As the worker's scheduler: running requests in order, each taking its tokens (1 for a
-            # decode) from the step's token budget until it runs out. One-token items cost as decodes.
-            budget, prefill_tokens, decodes, masks = chunk_limit, 0, 0, 0.0
+            # decode) from the step's token budget until it runs out; the budget is the larger one where
+            # none decodes. One-token items cost as decodes.
+            budget = max(1, report.step_budget(decoding=any(work[0] == 0 for work in running)))
+            prefill_tokens, decodes, masks = 0, 0, 0.0
             for work in running:
                 if budget == 0:
                     break

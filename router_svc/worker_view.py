@@ -61,6 +61,7 @@ class WorkerReport:
     device: str = ""
     requests: tuple[QueuedWork, ...] = ()
     max_num_batched_tokens: int = 512
+    max_prefill_step_tokens: int = 0  # never below max_num_batched_tokens (see step_budget)
     step_base_s: float = 0.0
     step_per_prefill_token_s: float = 0.0
     step_per_decode_s: float = 0.0
@@ -74,15 +75,16 @@ class WorkerReport:
     kv_blocks_cached: int = 0
 
     @classmethod
-    def from_state(cls, name: str, kind: str, state, max_num_batched_tokens: int) -> "WorkerReport":
-        """The report in a ``BackendState`` message (``max_num_batched_tokens`` comes from GetInfo)."""
+    def from_state(cls, name: str, kind: str, state, info) -> "WorkerReport":
+        """The report in a ``BackendState`` message, with the step budgets of the worker's ``GetInfoResponse``."""
         rates = state.rates
         return cls(
             name=name, kind=kind, device=state.device,
             requests=tuple(QueuedWork(r.running, r.prefill_tokens, r.decode_tokens, request_id=r.request_id,
                                       cached_tokens=r.cached_tokens, constrained=r.constrained)
                            for r in state.requests),
-            max_active_requests=state.max_active_requests, max_num_batched_tokens=max_num_batched_tokens,
+            max_active_requests=state.max_active_requests, max_num_batched_tokens=info.max_num_batched_tokens,
+            max_prefill_step_tokens=info.max_prefill_step_tokens,
             prefill_tok_s=rates.prefill_tokens_per_s, decode_tok_s=rates.decode_tokens_per_s,
             step_base_s=rates.step_base_s, step_per_prefill_token_s=rates.step_per_prefill_token_s,
             step_per_decode_s=rates.step_per_decode_s, step_per_constrained_row_s=rates.step_per_constrained_row_s,
@@ -92,6 +94,11 @@ class WorkerReport:
             kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
             kv_blocks_cached=state.kv_blocks_cached,
         )
+
+    def step_budget(self, decoding: bool) -> int:
+        """Tokens a step of this worker may compute, as ``SchedulerConfig.step_budget``."""
+        return self.max_num_batched_tokens if decoding else max(self.max_num_batched_tokens,
+                                                                self.max_prefill_step_tokens)
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class Worker:
                           estimate.cached_tokens_evictable)
 
     def report(self, state: common_pb2.BackendState) -> WorkerReport:
-        return WorkerReport.from_state(self.name, self.kind, state, self.info.max_num_batched_tokens)
+        return WorkerReport.from_state(self.name, self.kind, state, self.info)
 
     def generate(self, request: worker_pb2.GenerateRequest, timeout: float | None, parent_span) -> "WorkerCall":
         """Start a Generate call on this worker now; iterate the result for its responses."""

@@ -102,7 +102,9 @@ SEED_M2_CPU_KV_BYTES = 4 << 30
 
 def _seed_m2_worker(kind: str, prefill_tok_s: float, decode_tok_s: float, kv_bytes: int,
                     fixed_share: float) -> WorkerProfile:
-    config = SchedulerConfig(max_active_requests=4, max_num_batched_tokens=512, block_size=16)
+    # a prompt alone in chunks of 512 too: the rates are a 512-token chunk's, measured on the article's engine
+    config = SchedulerConfig(max_active_requests=4, max_num_batched_tokens=512, max_prefill_step_tokens=512,
+                             block_size=16)
     step = StepTimeModel.from_rates(prefill_tok_s, decode_tok_s, config.max_num_batched_tokens,
                                     config.max_active_requests, fixed_share)
     num_blocks = kv_bytes // (KV_BYTES_PER_TOKEN_QWEN25_05B * config.block_size)
@@ -137,7 +139,8 @@ def worker_profile_from_info(kind: str, info) -> WorkerProfile:
                          rates.small_step_rows, rates.small_step_base_s, rates.small_step_per_row_s)
     config = SchedulerConfig(max_active_requests=info.max_active_requests,
                              max_waiting_requests=info.max_waiting_requests,
-                             max_num_batched_tokens=info.max_num_batched_tokens, block_size=info.block_size)
+                             max_num_batched_tokens=info.max_num_batched_tokens,
+                             max_prefill_step_tokens=info.max_prefill_step_tokens, block_size=info.block_size)
     return WorkerProfile(kind, step, config, info.kv_blocks_total)
 
 

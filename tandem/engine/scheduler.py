@@ -163,14 +163,14 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.step_budget(decoding=any(r.prefill_remaining == 0 for r in self.running))
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -269,7 +269,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
         num_cached = len(computed_blocks) * self.block_size
-        num_new = min(request.num_tokens - num_cached, budget)
+        num_new = self._chunk(request, request.num_tokens - num_cached, budget)
         if not self.kv_cache_manager.admit(request, computed_blocks, num_new):
             return None
 
@@ -282,6 +282,13 @@ class Scheduler:
             request.first_scheduled_time = self.clock()
         self.running.append(request)
         return ScheduledRequest.of(request, num_new)
+
+    def _chunk(self, request: Request, uncomputed: int, budget: int) -> int:
+        """Tokens of ``request`` this step computes: a prompt whose log-probabilities are asked for at most
+        ``max_num_batched_tokens`` (each of its tokens takes a row of logits)."""
+        if request.wants_prompt_logprobs:
+            budget = min(budget, self.config.max_num_batched_tokens)
+        return min(uncomputed, budget)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -109,7 +109,11 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
     parser.add_env_argument("--max-waiting", "TANDEM_MAX_WAITING", 256, type=positive_int,
                             help="bound of the waiting queue; beyond it requests get RESOURCE_EXHAUSTED")
     parser.add_env_argument("--max-batched-tokens", "TANDEM_MAX_BATCHED_TOKENS", 512, type=positive_int,
-                            help="tokens computed per engine step (prefill chunk size)")
+                            help="tokens computed in an engine step where a request decodes (prefill chunk size "
+                                 "beside decodes)")
+    parser.add_env_argument("--max-prefill-step-tokens", "TANDEM_MAX_PREFILL_STEP_TOKENS", 4096, type=positive_int,
+                            help="tokens computed in an engine step where no request decodes (prefill chunk size "
+                                 "alone; never below --max-batched-tokens); the tandem engine's")
     parser.add_env_argument("--block-size", "TANDEM_BLOCK_SIZE", None, type=positive_int,
                             help="tokens per KV block (default: 16 for the tandem engine, 32 for vllm)")
     parser.add_env_argument("--kv-cache-gib", "TANDEM_KV_CACHE_GIB", 1.0, type=positive_float,
@@ -151,6 +155,7 @@ def parse_config(kind: str, default_port: int, argv: list[str] | None = None) ->
                 max_active_requests=args.max_active,
                 max_waiting_requests=args.max_waiting,
                 max_num_batched_tokens=args.max_batched_tokens,
+                max_prefill_step_tokens=args.max_prefill_step_tokens,
                 block_size=args.block_size or ENGINE_BLOCK_SIZES[args.engine],
             ),
             cache=CacheConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30))),

@@ -52,6 +52,7 @@ class WorkerIdentity:
     dtype: str
     max_waiting_requests: int
     max_num_batched_tokens: int
+    max_prefill_step_tokens: int
     context_length: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
@@ -96,7 +97,8 @@ def _load_tandem(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, 
     runner = engine.executor
     identity = WorkerIdentity(
         **facts, engine="tandem", engine_version=version("tandem"), dtype=str(runner.dtype).removeprefix("torch."),
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens, context_length=runner.max_model_len,
+        max_num_batched_tokens=config.scheduler.step_budget(decoding=True),
+        max_prefill_step_tokens=config.scheduler.step_budget(decoding=False), context_length=runner.max_model_len,
         vocab_size=runner.vocab_size, eos_token_ids=tuple(sorted(runner.eos_token_ids)))
 
     async def start() -> OpenedEngine:
@@ -127,7 +129,8 @@ def _load_vllm(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, on
     eos = eos_token_ids(AutoConfig.from_pretrained(model_dir), model_dir)
     identity = WorkerIdentity(
         **facts, engine=engine.name, engine_version=engine.version, dtype=engine.dtype,
-        max_num_batched_tokens=engine.max_num_batched_tokens, context_length=engine.max_model_len,
+        max_num_batched_tokens=engine.max_num_batched_tokens, max_prefill_step_tokens=engine.max_num_batched_tokens,
+        context_length=engine.max_model_len,
         vocab_size=engine.vocab_size, eos_token_ids=tuple(sorted(eos)))
 
     async def start() -> OpenedEngine:

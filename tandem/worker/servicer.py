@@ -165,6 +165,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_active_requests=state.max_active_requests,
             max_waiting_requests=identity.max_waiting_requests,
             max_num_batched_tokens=identity.max_num_batched_tokens,
+            max_prefill_step_tokens=identity.max_prefill_step_tokens,
             block_size=state.block_size,
             kv_blocks_total=state.load.num_kv_blocks,
             context_length=identity.context_length,

@@ -18,7 +18,9 @@ GREEDY = SamplingParams(temperature=0)
 
 def make_engine(model_dir: Path, num_kv_blocks: int = 256, cuda_graphs: bool | None = None, **scheduler) -> LLMEngine:
     """An uncalibrated fp32 engine on the test device, token for token comparable with ``hf_greedy``."""
-    config = SchedulerConfig(**{"max_num_batched_tokens": 64, **scheduler})
+    scheduler = {"max_num_batched_tokens": 64, **scheduler}
+    scheduler.setdefault("max_prefill_step_tokens", scheduler["max_num_batched_tokens"])  # one budget unless set
+    config = SchedulerConfig(**scheduler)
     return build_engine(str(model_dir), TEST_DEVICE, "float32", scheduler=config,
                         cache=CacheConfig(num_kv_blocks=num_kv_blocks), calibrate=False, decode_weights="float32",
                         cuda_graphs=cuda_graphs)

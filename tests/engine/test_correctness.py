@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engine.helpers import (
     assert_no_leaks,
     greedy_request,
@@ -13,8 +15,9 @@ from tests.engine.helpers import (
 )
 
 
-def test_concurrent_requests_of_different_lengths_with_chunked_prefill(tiny_model):
-    engine = make_engine(tiny_model, max_num_batched_tokens=32)
+@pytest.mark.parametrize("prefill_step_tokens", [32, 96])  # one budget; a larger one where no request decodes
+def test_concurrent_requests_of_different_lengths_with_chunked_prefill(tiny_model, prefill_step_tokens):
+    engine = make_engine(tiny_model, max_num_batched_tokens=32, max_prefill_step_tokens=prefill_step_tokens)
     prompts = {f"r{i}": random_prompt(engine, length, seed=i) for i, length in enumerate((3, 17, 40, 100, 64))}
     for req_id, prompt in prompts.items():
         engine.add_request(greedy_request(req_id, prompt, 24))

@@ -75,6 +75,9 @@ def test_the_worker_names_its_engine_and_reports_its_limits(worker):
     assert info.engine == state.engine == worker.engine and info.engine_version == state.engine_version != ""
     assert info.block_size == state.block_size == BLOCK_SIZE
     assert info.max_active_requests == state.max_active_requests == 4
+    # the defaults; vLLM's engine has one step budget
+    assert (info.max_num_batched_tokens, info.max_prefill_step_tokens) == \
+        ((512, 4096) if worker.engine == "tandem" else (512, 512))
     assert info.kv_blocks_total == state.kv_blocks_total > 0
     assert (info.vocab_size, info.context_length, info.dtype) == (400, 8192, "float32")
     assert state.rates.prefill_tokens_per_s > 0 and state.rates.decode_tokens_per_s > 0

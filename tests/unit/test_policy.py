@@ -258,6 +258,12 @@ def test_finish_time_idle_worker_matches_hand_computation():
     assert score.score == pytest.approx(expected, rel=1e-12)
 
 
+def test_finish_time_runs_a_lone_prompt_in_chunks_of_the_prefill_step_budget():
+    # 100 uncached tokens alone in chunks of 64: 64, 36, then 4 decode steps
+    score = finish_time_score(step_view(max_prefill_step_tokens=64), RouteInput(prompt_tokens=100, max_new_tokens=5))
+    assert score.score == pytest.approx(2 * BASE + 100 * PER_PREFILL + 4 * (BASE + PER_DECODE), rel=1e-12)
+
+
 def test_finish_time_prices_small_steps_on_their_own_line():
     # As above, on a worker whose steps of up to 4 rows take another path: the last chunk of 4 tokens and
     # the 4 decode steps are small.
@@ -372,7 +378,8 @@ class _Work:
 def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
     """One step at a time, no jumping, as tandem.engine.scheduler schedules: FCFS admission into
     ``max_active_requests`` slots; running requests served in order, each taking its tokens (one for a
-    decode) from ``max_num_batched_tokens`` until it runs out. A step costs base + per-token * prefill
+    decode) from ``max_num_batched_tokens`` until it runs out, or from ``max_prefill_step_tokens`` where none
+    decodes, if that is larger. A step costs base + per-token * prefill
     tokens + per-decode * one-token items (the step-time model counts a one-token chunk as a decode), or, with
     at most ``small_step_rows`` rows in all, small-base + small-per-row * rows."""
     running = deque(_Work(w.prefill_tokens, w.decode_tokens) for w in view.queue if w.running)
@@ -383,7 +390,11 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
     for _ in range(100_000):
         while waiting and len(running) < view.report.max_active_requests:
             running.append(waiting.popleft())
-        budget = view.report.max_num_batched_tokens
+        report = view.report
+        if any(work.prefill == 0 for work in running):
+            budget = report.max_num_batched_tokens
+        else:
+            budget = max(report.max_num_batched_tokens, report.max_prefill_step_tokens)
         prefill_tokens = decodes = 0
         for work in running:
             if budget <= 0:
@@ -402,7 +413,6 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
                     prefill_tokens += chunk
                 if work.prefill == 0:
                     work.generated += 1
-        report = view.report
         if prefill_tokens + decodes <= report.small_step_rows:
             clock += report.small_step_base_s + report.small_step_per_row_s * (prefill_tokens + decodes)
         else:
@@ -429,6 +439,7 @@ def random_scenario(rng: random.Random) -> tuple[WorkerView, RouteInput]:
         cached_tokens=rng.choice([0, 0, rng.randint(0, prompt), prompt]),
         max_active_requests=slots,
         max_num_batched_tokens=rng.randint(4, 32),
+        max_prefill_step_tokens=rng.choice([0, rng.randint(4, 64)]),
         step_base_s=rng.uniform(1e-3, 2e-2),
         step_per_prefill_token_s=rng.uniform(1e-5, 1e-3),
         step_per_decode_s=rng.uniform(1e-4, 3e-3),
@@ -464,6 +475,7 @@ def test_simulation_reproduces_the_hand_computations():
 
 def test_scenarios_exercise_waiting_for_slots_and_mixed_steps():
     assert sum(v.num_running == v.report.max_active_requests and v.num_waiting > 0 for v, _ in SCENARIOS) >= 20
+    assert sum(v.report.max_prefill_step_tokens > v.report.max_num_batched_tokens for v, _ in SCENARIOS) >= 20
     assert sum(any(w.running and w.prefill_tokens > 0 for w in v.queue) for v, _ in SCENARIOS) >= 20
     assert sum(v.cached_tokens > 0 for v, _ in SCENARIOS) >= 20
     assert sum(v.report.small_step_rows > 0 for v, _ in SCENARIOS) >= 20

@@ -10,6 +10,7 @@ from tandem.engine.config import SchedulerConfig
 from tandem.errors import QueueFullError
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
+from tandem.sampling import SamplingParams
 
 BLOCK = 4
 
@@ -17,6 +18,7 @@ BLOCK = 4
 def make_scheduler(num_blocks: int = 64, **limits) -> Scheduler:
     config = {"max_active_requests": 4, "max_waiting_requests": 16, "max_num_batched_tokens": 16, "block_size": BLOCK}
     config.update(limits)
+    config.setdefault("max_prefill_step_tokens", config["max_num_batched_tokens"])  # one budget unless a test sets two
     return Scheduler(SchedulerConfig(**config), num_blocks)
 
 
@@ -132,8 +134,8 @@ def test_waiting_queue_is_bounded():
 # --- token budget and chunked prefill ------------------------------------------------------------
 
 
-def test_long_prompt_is_prefilled_in_budget_sized_chunks():
-    scheduler = make_scheduler(max_num_batched_tokens=8)
+def test_a_long_prompt_alone_is_prefilled_in_chunks_of_the_prefill_step_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=4, max_prefill_step_tokens=8)
     request = make_request("long", range(20), max_new_tokens=1)
     scheduler.add_request(request)
 
@@ -144,9 +146,20 @@ def test_long_prompt_is_prefilled_in_budget_sized_chunks():
     assert request.status is RequestStatus.FINISHED_LENGTH
 
 
+def test_a_prompt_whose_logprobs_are_asked_for_runs_in_chunks_of_the_decoding_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=4, max_prefill_step_tokens=8)
+    wanting = Request("wanting", list(range(10)), 1, SamplingParams(prompt_logprobs=1))
+    scheduler.add_request(wanting)
+    scheduler.add_request(make_request("other", range(50, 60), max_new_tokens=1))
+
+    # the other prompt takes the rest of the larger budget, as no request decodes yet
+    assert plan(step(scheduler)) == [("wanting", 0, 4), ("other", 0, 4)]
+    assert plan(step(scheduler)) == [("wanting", 4, 4), ("other", 4, 4)]
+
+
 def test_chunked_prefill_shares_each_step_with_running_decodes():
     budget = 8
-    scheduler = make_scheduler(max_num_batched_tokens=budget)
+    scheduler = make_scheduler(max_num_batched_tokens=budget, max_prefill_step_tokens=64)
     decoder = make_request("decoder", [1, 2], max_new_tokens=20)
     scheduler.add_request(decoder)
     step(scheduler)
@@ -169,12 +182,14 @@ def test_chunked_prefill_shares_each_step_with_running_decodes():
 
 
 def test_step_token_budget_holds_under_mixed_load():
-    budget = 10
-    scheduler = make_scheduler(max_num_batched_tokens=budget, max_active_requests=3)
+    scheduler = make_scheduler(max_num_batched_tokens=10, max_prefill_step_tokens=25, max_active_requests=3)
     for i in range(6):
         scheduler.add_request(make_request(f"r{i}", range(50 * i, 50 * i + 7 + 3 * i), max_new_tokens=4))
+    totals = {True: [], False: []}  # by whether the step decodes
     for output in run_to_completion(scheduler):
-        assert 0 < sum(item.num_new_tokens for item in output.scheduled) <= budget
+        totals[output.num_decode_requests > 0].append(sum(item.num_new_tokens for item in output.scheduled))
+    assert totals[True] and max(totals[True]) <= 10
+    assert totals[False] and 10 < max(totals[False]) <= 25
 
 
 # --- prefix cache --------------------------------------------------------------------------------
@@ -523,7 +538,8 @@ def check_invariants(scheduler: Scheduler) -> None:
 
 def test_randomized_workload_keeps_invariants():
     rng = random.Random(1234)
-    config = SchedulerConfig(max_active_requests=4, max_waiting_requests=64, max_num_batched_tokens=10, block_size=BLOCK)
+    config = SchedulerConfig(max_active_requests=4, max_waiting_requests=64, max_num_batched_tokens=10,
+                             max_prefill_step_tokens=14, block_size=BLOCK)
     scheduler = Scheduler(config, 12)
     kv = KVModel(scheduler)
     prefixes = [list(range(1, 9)), list(range(20, 32)), list(range(40, 44))]
@@ -545,8 +561,9 @@ def test_randomized_workload_keeps_invariants():
             victim = rng.choice(list(scheduler.waiting) + scheduler.running)
             scheduler.finish(victim, RequestStatus.FINISHED_ABORTED)
             aborted.add(victim.req_id)
+        decoding = any(request.prefill_remaining == 0 for request in scheduler.running)
         output = scheduler.schedule()
-        assert sum(item.num_new_tokens for item in output.scheduled) <= config.max_num_batched_tokens
+        assert sum(item.num_new_tokens for item in output.scheduled) <= config.step_budget(decoding)
         kv.execute(output)
         if rng.random() < 0.03 and output.scheduled:
             victim = rng.choice(output.scheduled).request  # aborted while its step runs

@@ -82,7 +82,8 @@ def test_worker_names_and_counts_follow_the_options():
     workers = seed_m2().workers(cpu_workers=3, gpu_max_active=8)
     assert list(workers) == ["gpu-0", "cpu-0", "cpu-1", "cpu-2"]
     assert workers["gpu-0"].scheduler.max_active_requests == 8
-    assert workers["cpu-0"].scheduler == SchedulerConfig(max_active_requests=4, max_num_batched_tokens=512)
+    assert workers["cpu-0"].scheduler == SchedulerConfig(max_active_requests=4, max_num_batched_tokens=512,
+                                                         max_prefill_step_tokens=512)
 
 
 def test_cli_prints_the_documented_json(capsys):
