@@ -398,7 +398,8 @@ def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
 def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model, decode_weights):
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
-    engine = build_engine(str(tiny_model), "cpu", "float32", SchedulerConfig(max_num_batched_tokens=32),
+    engine = build_engine(str(tiny_model), "cpu", "float32",
+                          SchedulerConfig(max_num_batched_tokens=32, max_prefill_step_tokens=32),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights=decode_weights)
     assert engine.executor.decode_dtype == getattr(torch, decode_weights)
     model = engine.executor.model
