@@ -182,15 +182,17 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
                 work[1] -= steps
         else:
             # As the worker's scheduler: running requests in order, each taking its tokens (1 for a
-            # decode) from the step's token budget until it runs out; the budget is the larger one where
-            # none decodes. One-token items cost as decodes.
-            budget = max(1, report.step_budget(decoding=any(work[0] == 0 for work in running)))
-            prefill_tokens, decodes, masks = 0, 0, 0.0
+            # decode) from the step's token budget until it runs out; where none decodes, the first may
+            # take a longer chunk by itself. One-token items cost as decodes.
+            decoding = any(work[0] == 0 for work in running)
+            budget = max(1, report.step_budget(decoding, used=0))
+            used, prefill_tokens, decodes, masks = 0, 0, 0, 0.0
             for work in running:
                 if budget == 0:
                     break
                 chunk = 1 if work[0] == 0 else min(work[0], budget)
-                budget -= chunk
+                used += chunk
+                budget = report.step_budget(decoding, used)
                 if chunk == 1:
                     decodes += 1
                 else:

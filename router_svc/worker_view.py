@@ -95,10 +95,11 @@ class WorkerReport:
             kv_blocks_cached=state.kv_blocks_cached,
         )
 
-    def step_budget(self, decoding: bool) -> int:
-        """Tokens a step of this worker may compute, as ``SchedulerConfig.step_budget``."""
-        return self.max_num_batched_tokens if decoding else max(self.max_num_batched_tokens,
-                                                                self.max_prefill_step_tokens)
+    def step_budget(self, decoding: bool, used: int) -> int:
+        """Tokens the next request of a step of this worker may compute, as ``SchedulerConfig.step_budget``."""
+        if used == 0 and not decoding:
+            return max(self.max_num_batched_tokens, self.max_prefill_step_tokens)
+        return max(0, self.max_num_batched_tokens - used)
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ class SimWorker:
                                       cached_tokens=r.cached_tokens)
                            for r in self.scheduler.load().requests),
             max_active_requests=self.profile.scheduler.max_active_requests,
-            max_num_batched_tokens=self.profile.scheduler.step_budget(decoding=True),
-            max_prefill_step_tokens=self.profile.scheduler.step_budget(decoding=False),
+            max_num_batched_tokens=self.profile.scheduler.max_num_batched_tokens,
+            max_prefill_step_tokens=self.profile.scheduler.step_budget(decoding=False, used=0),
             prefill_tok_s=rates.prefill_tok_s, decode_tok_s=rates.decode_tok_s, step_base_s=rates.step_base_s,
             step_per_prefill_token_s=rates.step_per_prefill_token_s, step_per_decode_s=rates.step_per_decode_s,
             small_step_rows=rates.small_step_rows, small_step_base_s=rates.small_step_base_s,

@@ -31,12 +31,14 @@ class SchedulerConfig:
     Args:
         max_active_requests: requests in the running batch at once.
         max_waiting_requests: bound of the waiting queue; a request beyond it is rejected.
-        max_num_batched_tokens: tokens computed in a step where a running request decodes (prefill chunks
-            plus decodes): it bounds how long a prefill chunk makes the decoding streams wait.
-        max_prefill_step_tokens: tokens computed in a step where none decodes, so that a longer step delays
-            no stream: a prompt alone runs in fewer, larger chunks, whose matrix products run faster per row.
-            Never fewer than ``max_num_batched_tokens``. A prompt whose log-probabilities are asked for still
-            runs ``max_num_batched_tokens`` at a time, bounding its logits.
+        max_num_batched_tokens: tokens computed in one step (prefill chunks plus decodes): it bounds how long
+            a prefill chunk makes the decoding streams wait.
+        max_prefill_step_tokens: tokens the first request of a step may compute by itself where no running
+            request decodes, so that the longer step delays no stream: a prompt alone runs in fewer, larger
+            chunks, whose matrix products run faster per row. Requests after it share what is left of
+            ``max_num_batched_tokens``, so that a burst sharing a prompt prefix still waits one step for the
+            first to cache it. Never fewer than ``max_num_batched_tokens``. A prompt whose log-probabilities
+            are asked for still runs ``max_num_batched_tokens`` at a time, bounding its logits.
         block_size: tokens per KV block.
     """
 
@@ -58,10 +60,12 @@ class SchedulerConfig:
                 "so that every running request can decode in one step"
             )
 
-    def step_budget(self, decoding: bool) -> int:
-        """Tokens a step may compute, where a running request decodes in it or where none does."""
-        return self.max_num_batched_tokens if decoding else max(self.max_num_batched_tokens,
-                                                                self.max_prefill_step_tokens)
+    def step_budget(self, decoding: bool, used: int) -> int:
+        """Tokens the next request of a step may compute, ``used`` already taken by those before it, where a
+        running request decodes in the step or where none does."""
+        if used == 0 and not decoding:
+            return max(self.max_num_batched_tokens, self.max_prefill_step_tokens)
+        return max(0, self.max_num_batched_tokens - used)
 
 
 @dataclass(frozen=True)

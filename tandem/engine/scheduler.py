@@ -163,7 +163,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.step_budget(decoding=any(r.prefill_remaining == 0 for r in self.running))
+        decoding = any(r.prefill_remaining == 0 for r in self.running)
+        used = 0
+        budget = self.config.step_budget(decoding, used)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -179,7 +181,8 @@ class Scheduler:
                     break
             else:
                 scheduled.append(ScheduledRequest.of(request, num_new))
-                budget -= num_new
+                used += num_new
+                budget = self.config.step_budget(decoding, used)
                 index += 1
 
         while (
@@ -193,7 +196,8 @@ class Scheduler:
             if item is None:
                 break
             scheduled.append(item)
-            budget -= item.num_new_tokens
+            used += item.num_new_tokens
+            budget = self.config.step_budget(decoding, used)
         return SchedulerOutput(scheduled, preempted)
 
     def update_from_output(

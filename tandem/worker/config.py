@@ -109,11 +109,10 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
     parser.add_env_argument("--max-waiting", "TANDEM_MAX_WAITING", 256, type=positive_int,
                             help="bound of the waiting queue; beyond it requests get RESOURCE_EXHAUSTED")
     parser.add_env_argument("--max-batched-tokens", "TANDEM_MAX_BATCHED_TOKENS", 512, type=positive_int,
-                            help="tokens computed in an engine step where a request decodes (prefill chunk size "
-                                 "beside decodes)")
+                            help="tokens computed per engine step, prefill chunks and decodes together")
     parser.add_env_argument("--max-prefill-step-tokens", "TANDEM_MAX_PREFILL_STEP_TOKENS", 4096, type=positive_int,
-                            help="tokens computed in an engine step where no request decodes (prefill chunk size "
-                                 "alone; never below --max-batched-tokens); the tandem engine's")
+                            help="tokens the first request of a step may compute by itself where none decodes (a "
+                                 "prompt alone; never below --max-batched-tokens); the tandem engine's")
     parser.add_env_argument("--block-size", "TANDEM_BLOCK_SIZE", None, type=positive_int,
                             help="tokens per KV block (default: 16 for the tandem engine, 32 for vllm)")
     parser.add_env_argument("--kv-cache-gib", "TANDEM_KV_CACHE_GIB", 1.0, type=positive_float,

@@ -97,8 +97,8 @@ def _load_tandem(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, 
     runner = engine.executor
     identity = WorkerIdentity(
         **facts, engine="tandem", engine_version=version("tandem"), dtype=str(runner.dtype).removeprefix("torch."),
-        max_num_batched_tokens=config.scheduler.step_budget(decoding=True),
-        max_prefill_step_tokens=config.scheduler.step_budget(decoding=False), context_length=runner.max_model_len,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_prefill_step_tokens=config.scheduler.step_budget(decoding=False, used=0), context_length=runner.max_model_len,
         vocab_size=runner.vocab_size, eos_token_ids=tuple(sorted(runner.eos_token_ids)))
 
     async def start() -> OpenedEngine:

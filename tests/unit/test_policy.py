@@ -378,8 +378,8 @@ class _Work:
 def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
     """One step at a time, no jumping, as tandem.engine.scheduler schedules: FCFS admission into
     ``max_active_requests`` slots; running requests served in order, each taking its tokens (one for a
-    decode) from ``max_num_batched_tokens`` until it runs out, or from ``max_prefill_step_tokens`` where none
-    decodes, if that is larger. A step costs base + per-token * prefill
+    decode) from ``max_num_batched_tokens`` until it runs out; where none decodes, the first takes up to
+    ``max_prefill_step_tokens`` by itself, if that is larger. A step costs base + per-token * prefill
     tokens + per-decode * one-token items (the step-time model counts a one-token chunk as a decode), or, with
     at most ``small_step_rows`` rows in all, small-base + small-per-row * rows."""
     running = deque(_Work(w.prefill_tokens, w.decode_tokens) for w in view.queue if w.running)
@@ -391,12 +391,14 @@ def simulate_finish_time(view: WorkerView, request: RouteInput) -> float:
         while waiting and len(running) < view.report.max_active_requests:
             running.append(waiting.popleft())
         report = view.report
-        if any(work.prefill == 0 for work in running):
-            budget = report.max_num_batched_tokens
-        else:
+        decoding = any(work.prefill == 0 for work in running)
+        budget = report.max_num_batched_tokens
+        if not decoding:  # the first may take a longer chunk by itself
             budget = max(report.max_num_batched_tokens, report.max_prefill_step_tokens)
         prefill_tokens = decodes = 0
-        for work in running:
+        for index, work in enumerate(running):
+            if index == 1 and not decoding:  # the rest share what is left of the usual budget
+                budget = report.max_num_batched_tokens - (prefill_tokens + decodes)
             if budget <= 0:
                 break
             if work.prefill == 0:

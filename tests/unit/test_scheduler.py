@@ -146,15 +146,23 @@ def test_a_long_prompt_alone_is_prefilled_in_chunks_of_the_prefill_step_budget()
     assert request.status is RequestStatus.FINISHED_LENGTH
 
 
-def test_a_prompt_whose_logprobs_are_asked_for_runs_in_chunks_of_the_decoding_budget():
-    scheduler = make_scheduler(max_num_batched_tokens=4, max_prefill_step_tokens=8)
-    wanting = Request("wanting", list(range(10)), 1, SamplingParams(prompt_logprobs=1))
-    scheduler.add_request(wanting)
-    scheduler.add_request(make_request("other", range(50, 60), max_new_tokens=1))
+def test_requests_after_the_first_share_the_usual_budget_so_a_burst_waits_for_its_shared_prefix():
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_prefill_step_tokens=64)
+    prefix = list(range(12))
+    for index in range(3):
+        scheduler.add_request(make_request(f"r{index}", prefix + [100 + index, 200 + index], max_new_tokens=2))
 
-    # the other prompt takes the rest of the larger budget, as no request decodes yet
-    assert plan(step(scheduler)) == [("wanting", 0, 4), ("other", 0, 4)]
-    assert plan(step(scheduler)) == [("wanting", 4, 4), ("other", 4, 4)]
+    assert plan(step(scheduler)) == [("r0", 0, 14)]  # alone, past the usual budget; the others wait
+    # r0 now decodes: the step takes the usual budget, and the others find the prefix r0 cached
+    assert plan(step(scheduler)) == [("r0", 14, 1), ("r1", 12, 2), ("r2", 12, 2)]
+
+
+def test_a_prompt_whose_logprobs_are_asked_for_runs_in_chunks_of_the_usual_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=4, max_prefill_step_tokens=8)
+    scheduler.add_request(Request("wanting", list(range(10)), 1, SamplingParams(prompt_logprobs=1)))
+
+    assert [plan(step(scheduler)) for _ in range(3)] == [[("wanting", 0, 4)], [("wanting", 4, 4)],
+                                                         [("wanting", 8, 2)]]
 
 
 def test_chunked_prefill_shares_each_step_with_running_decodes():
@@ -184,12 +192,14 @@ def test_chunked_prefill_shares_each_step_with_running_decodes():
 def test_step_token_budget_holds_under_mixed_load():
     scheduler = make_scheduler(max_num_batched_tokens=10, max_prefill_step_tokens=25, max_active_requests=3)
     for i in range(6):
-        scheduler.add_request(make_request(f"r{i}", range(50 * i, 50 * i + 7 + 3 * i), max_new_tokens=4))
-    totals = {True: [], False: []}  # by whether the step decodes
+        scheduler.add_request(make_request(f"r{i}", range(50 * i, 50 * i + 12 + 3 * i), max_new_tokens=4))
+    firsts = []
     for output in run_to_completion(scheduler):
-        totals[output.num_decode_requests > 0].append(sum(item.num_new_tokens for item in output.scheduled))
-    assert totals[True] and max(totals[True]) <= 10
-    assert totals[False] and 10 < max(totals[False]) <= 25
+        first, total = output.scheduled[0].num_new_tokens, sum(item.num_new_tokens for item in output.scheduled)
+        assert 0 < first <= (10 if output.num_decode_requests else 25)
+        assert total <= max(first, 10)  # the rest share what the first left of the usual budget
+        firsts.append(first)
+    assert max(firsts) > 10  # a prompt alone took a longer chunk
 
 
 # --- prefix cache --------------------------------------------------------------------------------
@@ -563,7 +573,10 @@ def test_randomized_workload_keeps_invariants():
             aborted.add(victim.req_id)
         decoding = any(request.prefill_remaining == 0 for request in scheduler.running)
         output = scheduler.schedule()
-        assert sum(item.num_new_tokens for item in output.scheduled) <= config.step_budget(decoding)
+        if output.scheduled:
+            first = output.scheduled[0].num_new_tokens
+            assert first <= (10 if decoding else 14)
+            assert sum(item.num_new_tokens for item in output.scheduled) <= max(first, 10)
         kv.execute(output)
         if rng.random() < 0.03 and output.scheduled:
             victim = rng.choice(output.scheduled).request  # aborted while its step runs
