@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from router_svc.failover import Failover, WorkerStatus
 from router_svc.worker_view import WorkerView
 from tandem.decision import RoutingDecision, WorkerScore
-from tandem.step_time import step_seconds
+from tandem.step_time import step_budget, step_seconds
 
 
 @dataclass(frozen=True)
@@ -185,14 +185,14 @@ def _play_forward(view: WorkerView, request: RouteInput, queued_index: int | Non
             # decode) from the step's token budget until it runs out; where none decodes, the first may
             # take a longer chunk by itself. One-token items cost as decodes.
             decoding = any(work[0] == 0 for work in running)
-            budget = max(1, report.step_budget(decoding, used=0))
+            budget = max(1, step_budget(report, decoding, used=0))
             used, prefill_tokens, decodes, masks = 0, 0, 0, 0.0
             for work in running:
                 if budget == 0:
                     break
                 chunk = 1 if work[0] == 0 else min(work[0], budget)
                 used += chunk
-                budget = report.step_budget(decoding, used)
+                budget = step_budget(report, decoding, used)
                 if chunk == 1:
                     decodes += 1
                 else:

@@ -61,7 +61,7 @@ class WorkerReport:
     device: str = ""
     requests: tuple[QueuedWork, ...] = ()
     max_num_batched_tokens: int = 512
-    max_prefill_step_tokens: int = 0  # never below max_num_batched_tokens (see step_budget)
+    max_prefill_step_tokens: int = 0  # never below max_num_batched_tokens (tandem.step_time.step_budget)
     step_base_s: float = 0.0
     step_per_prefill_token_s: float = 0.0
     step_per_decode_s: float = 0.0
@@ -94,12 +94,6 @@ class WorkerReport:
             kv_blocks_total=state.kv_blocks_total, kv_blocks_used=state.kv_blocks_used,
             kv_blocks_cached=state.kv_blocks_cached,
         )
-
-    def step_budget(self, decoding: bool, used: int) -> int:
-        """Tokens the next request of a step of this worker may compute, as ``SchedulerConfig.step_budget``."""
-        if used == 0 and not decoding:
-            return max(self.max_num_batched_tokens, self.max_prefill_step_tokens)
-        return max(0, self.max_num_batched_tokens - used)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from tandem.engine.utils import cdiv
 from tandem.errors import QueueFullError
 from tandem.loadgen.results import OK, RequestRecord, summarize
 from tandem.loadgen.workloads import Workload, WorkloadRequest
+from tandem.step_time import step_budget
 
 _TOKEN_SPACE = 1 << 20
 
@@ -67,7 +68,7 @@ class SimWorker:
                            for r in self.scheduler.load().requests),
             max_active_requests=self.profile.scheduler.max_active_requests,
             max_num_batched_tokens=self.profile.scheduler.max_num_batched_tokens,
-            max_prefill_step_tokens=self.profile.scheduler.step_budget(decoding=False, used=0),
+            max_prefill_step_tokens=step_budget(self.profile.scheduler, decoding=False, used=0),
             prefill_tok_s=rates.prefill_tok_s, decode_tok_s=rates.decode_tok_s, step_base_s=rates.step_base_s,
             step_per_prefill_token_s=rates.step_per_prefill_token_s, step_per_decode_s=rates.step_per_decode_s,
             small_step_rows=rates.small_step_rows, small_step_base_s=rates.small_step_base_s,

@@ -60,13 +60,6 @@ class SchedulerConfig:
                 "so that every running request can decode in one step"
             )
 
-    def step_budget(self, decoding: bool, used: int) -> int:
-        """Tokens the next request of a step may compute, ``used`` already taken by those before it, where a
-        running request decodes in the step or where none does."""
-        if used == 0 and not decoding:
-            return max(self.max_num_batched_tokens, self.max_prefill_step_tokens)
-        return max(0, self.max_num_batched_tokens - used)
-
 
 @dataclass(frozen=True)
 class CacheConfig:

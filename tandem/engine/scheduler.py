@@ -12,6 +12,7 @@ from tandem.engine.config import SchedulerConfig
 from tandem.errors import QueueFullError
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+from tandem.step_time import step_budget
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         decoding = any(r.prefill_remaining == 0 for r in self.running)
         used = 0
-        budget = self.config.step_budget(decoding, used)
+        budget = step_budget(self.config, decoding, used)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
@@ -182,7 +183,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest.of(request, num_new))
                 used += num_new
-                budget = self.config.step_budget(decoding, used)
+                budget = step_budget(self.config, decoding, used)
                 index += 1
 
         while (
@@ -197,7 +198,7 @@ class Scheduler:
                 break
             scheduled.append(item)
             used += item.num_new_tokens
-            budget = self.config.step_budget(decoding, used)
+            budget = step_budget(self.config, decoding, used)
         return SchedulerOutput(scheduled, preempted)
 
     def update_from_output(

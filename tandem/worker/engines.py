@@ -16,6 +16,7 @@ from typing import Protocol
 from tandem.engine.block_pool import CacheFeed, CachedPrefix
 from tandem.engine.engine import EngineState, RequestOutput
 from tandem.engine.request import Request
+from tandem.step_time import step_budget
 from tandem.worker.config import WorkerConfig, default_threads
 
 ENGINES = ("tandem", "vllm")
@@ -98,7 +99,7 @@ def _load_tandem(config: WorkerConfig, model_dir: Path, tokenizer, facts: dict, 
     identity = WorkerIdentity(
         **facts, engine="tandem", engine_version=version("tandem"), dtype=str(runner.dtype).removeprefix("torch."),
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_prefill_step_tokens=config.scheduler.step_budget(decoding=False, used=0), context_length=runner.max_model_len,
+        max_prefill_step_tokens=step_budget(config.scheduler, decoding=False, used=0), context_length=runner.max_model_len,
         vocab_size=runner.vocab_size, eos_token_ids=tuple(sorted(runner.eos_token_ids)))
 
     async def start() -> OpenedEngine:
