@@ -527,7 +527,8 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
 #define SCORE_KEYS(s, sums) do { _tile_loadd(1, kp + (s) * key_tile_stride, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 #define VALUE_COLUMNS(c, sums) do { _tile_loadd(1, vp + (c) * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 
-/* Stores the output tiles of `columns` (up to 4) column tiles into o [16][ATTENTION_MAX_HEAD_DIM]. */
+/* The output tiles 2-5 of `columns` (up to 4) column tiles, stored into o [16][ATTENTION_MAX_HEAD_DIM] and
+ * loaded back from it. */
 static inline __attribute__((always_inline)) void store_output_tiles(float o[][ATTENTION_MAX_HEAD_DIM], int columns)
 {
     _tile_stored(2, &o[0][0], ATTENTION_MAX_HEAD_DIM * 4);
@@ -537,6 +538,17 @@ static inline __attribute__((always_inline)) void store_output_tiles(float o[][A
         _tile_stored(4, &o[0][32], ATTENTION_MAX_HEAD_DIM * 4);
     if (columns > 3)
         _tile_stored(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
+}
+
+static inline __attribute__((always_inline)) void load_output_tiles(float o[][ATTENTION_MAX_HEAD_DIM], int columns)
+{
+    _tile_loadd(2, &o[0][0], ATTENTION_MAX_HEAD_DIM * 4);
+    if (columns > 1)
+        _tile_loadd(3, &o[0][16], ATTENTION_MAX_HEAD_DIM * 4);
+    if (columns > 2)
+        _tile_loadd(4, &o[0][32], ATTENTION_MAX_HEAD_DIM * 4);
+    if (columns > 3)
+        _tile_loadd(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
 }
 
 /* Per calling thread, memory that keeps its largest size from call to call: a fresh allocation of megabytes
@@ -678,10 +690,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                                 for (int c = 0; c < columns; c++)
                                     _mm512_store_ps(o[i] + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor));
                             }
-                            _tile_loadd(2, &o[0][0], ATTENTION_MAX_HEAD_DIM * 4);
-                            _tile_loadd(3, &o[0][16], ATTENTION_MAX_HEAD_DIM * 4);
-                            _tile_loadd(4, &o[0][32], ATTENTION_MAX_HEAD_DIM * 4);
-                            _tile_loadd(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
+                            load_output_tiles(o, columns);
                         }
                         for (int half = 0; half < ATTENTION_KEYS / 32; half++) {
                             int64_t pair_block = block * (ATTENTION_KEYS / 32) + half;
