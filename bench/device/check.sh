@@ -28,7 +28,7 @@ if [[ "$part" == tests || "$part" == all ]]; then
     tests=(tests/engine tests/integration/test_worker.py tests/integration/test_worker_lifecycle.py
            tests/integration/test_router.py)
   fi
-  TANDEM_TEST_DEVICE=cuda timeout 240 "$python" -m pytest -q -p no:cacheprovider -m "not model" "${tests[@]}" \
+  TANDEM_TEST_DEVICE=cuda timeout 360 "$python" -m pytest -q -p no:cacheprovider -m "not model" "${tests[@]}" \
     2>&1 | tee "$out/tests.log" || status=1
 fi
 

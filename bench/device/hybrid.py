@@ -1,6 +1,6 @@
 """The live hybrid experiment on a machine with an NVIDIA GPU: router + cpu_worker + gpu_worker (CUDA).
 
-Runs seed-burst (default model) for N = 8 and 48 with `cost` and `gpu_only` at GPU max_active 4,
+Runs seed-burst (the default model, or the directory TANDEM_DEVICE_MODEL names) for N = 8 and 48 with `cost` and `gpu_only` at GPU max_active 4,
 sweeps `gpu_only` over GPU max_active 1..32 at N = 48, then runs the best of the sweep at N = 8 and
 `cost` with that GPU setting. One fresh stack per run. Writes hybrid.json (and each run's record) into
 the directory given.
@@ -8,6 +8,7 @@ the directory given.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ def main(out_dir: Path) -> int:
     from tandem.model_files import resolve_model
 
     started = time.perf_counter()
-    model = str(resolve_model(None))
+    model = str(resolve_model(os.environ.get("TANDEM_DEVICE_MODEL")))
     report: dict = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no CUDA)",
                     "torch": torch.__version__, "model": model, "runs": []}
 

@@ -132,7 +132,7 @@ class Attention(nn.Module):
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty(q.shape, dtype=activations or q.dtype)
+        out = torch.empty(q.shape, dtype=activations or q.dtype, device=q.device)
         n = meta.num_decodes
         if n and meta.decode_block_tables is not None:
             out[:n] = self.cpu_kernels.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables, self.scale)
