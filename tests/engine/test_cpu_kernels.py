@@ -393,38 +393,68 @@ def test_the_kernels_name_a_tensor_they_do_not_take(kernels):
         kernels.rms_norm(torch.randn(8, 4).t(), None, torch.randn(8), 1e-5)
 
 
+def _run_each_small_step_both_ways(engine, rows: int, lengths: tuple[int, ...], monkeypatch) -> list[tuple]:
+    """Runs requests of ``lengths`` to the end, every step of up to ``rows`` rows on the decode copy in one
+    kernel call and again layer by layer (which writes the same keys and values), asserting the same logits;
+    returns each one-call step's rows, decode rows and prompt chunks."""
+    model = engine.executor.model
+    model.decode_rows = rows  # whatever was measured here
+    fused = model.decode_layers
+    assert fused is not None and len(fused) == model.config.num_hidden_layers
+    one_op_at_a_time = model.forward
+    in_one_call = model.cpu_kernels.decode_layers
+    compared = []
+
+    def recorded(layers, x, positions, cos, sin, slots, k_cache, v_cache, block_tables, chunks=()):
+        compared.append((len(x), len(block_tables) if block_tables is not None else 0, len(chunks)))
+        return in_one_call(layers, x, positions, cos, sin, slots, k_cache, v_cache, block_tables, chunks)
+
+    def both_ways(input_ids, positions, k_cache, v_cache, meta, *rest):
+        logits = one_op_at_a_time(input_ids, positions, k_cache, v_cache, meta, *rest)
+        if len(input_ids) <= rows:
+            model.decode_layers = None
+            try:
+                assert torch.equal(one_op_at_a_time(input_ids, positions, k_cache, v_cache, meta, *rest), logits)
+            finally:
+                model.decode_layers = fused
+        return logits
+
+    monkeypatch.setattr(model.cpu_kernels, "decode_layers", recorded)
+    model.forward = both_ways
+    for index, length in enumerate(lengths):
+        engine.add_request(greedy_request(f"r{index}", random_prompt(engine, length, seed=index), 12))
+    run_to_completion(engine)
+    return compared
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("decode_weights", ["float16", "int8"])
-def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model, decode_weights):
+def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model, decode_weights,
+                                                                                    monkeypatch):
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     engine = build_engine(str(tiny_model), "cpu", "float32",
                           SchedulerConfig(max_num_batched_tokens=32, max_prefill_step_tokens=32),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights=decode_weights)
     assert engine.executor.decode_dtype == getattr(torch, decode_weights)
-    model = engine.executor.model
-    model.decode_rows = 4  # every decode step below on the decode copy, whatever was measured here
-    fused = model.decode_layers
-    assert fused is not None and len(fused) == model.config.num_hidden_layers
-    one_op_at_a_time = model.forward
-    compared_rows = []
+    compared = _run_each_small_step_both_ways(engine, 4, (3, 17, 40, 70), monkeypatch)
+    decode_steps = [rows for rows, decodes, chunks in compared if rows == decodes]
+    assert max(decode_steps) == 4 and min(decode_steps) == 1  # decode steps of all four and of the last alone
 
-    def both_ways(input_ids, positions, k_cache, v_cache, meta, *rest):
-        logits = one_op_at_a_time(input_ids, positions, k_cache, v_cache, meta, *rest)
-        if not meta.prefills:
-            model.decode_layers = None  # the same step again, layer by layer (it writes the same keys and values)
-            try:
-                assert torch.equal(one_op_at_a_time(input_ids, positions, k_cache, v_cache, meta, *rest), logits)
-            finally:
-                model.decode_layers = fused
-            compared_rows.append(len(input_ids))
-        return logits
 
-    model.forward = both_ways
-    for index, length in enumerate((3, 17, 40, 70)):
-        engine.add_request(greedy_request(f"r{index}", random_prompt(engine, length, seed=index), 12))
-    run_to_completion(engine)
-    assert max(compared_rows) == 4 and min(compared_rows) == 1  # decode steps of all four and of the last alone
+@torch.inference_mode()
+def test_a_small_step_with_prompt_chunks_attends_them_in_tiles_in_the_same_one_call(tiny_llama_64, monkeypatch):
+    """Where the CPU kernels attend prefill chunks (AMX), a small step's prompt chunks, beside its decodes or
+    alone, attend as prefill chunks inside the one call, exactly as layer by layer."""
+    engine = build_engine(str(tiny_llama_64), "cpu", "float32",
+                          SchedulerConfig(max_num_batched_tokens=16, max_prefill_step_tokens=16),
+                          CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="int8",
+                          batched_weights="bfloat16")
+    if not engine.executor.model.attends_prefills_in_kernels:
+        pytest.skip("needs the AMX build's prefill attention")
+    compared = _run_each_small_step_both_ways(engine, 16, (3, 20, 45), monkeypatch)
+    assert any(decodes and chunks for rows, decodes, chunks in compared)  # decodes beside a chunk
+    assert any(not decodes and chunks > 1 for rows, decodes, chunks in compared)  # chunks alone, one after another
 
 
 @torch.inference_mode()

@@ -1338,19 +1338,50 @@ typedef struct {
     float eps, scale;
 } tandem_layer_shape;
 
-/* A decode step's decoder layers, each exactly as the kernels above compute it one call at a time:
+/* A prompt chunk of a small step: its rows [first_row, first_row + tokens) attend the `context` positions
+ * in slots, their own last, through tandem_prefill_attention. */
+typedef struct {
+    int64_t first_row, tokens, context;
+    const int64_t *slots;
+} tandem_chunk;
+
+/* A chunk's attention through tandem_prefill_attention, its bfloat16 output (in `staging`, tokens · heads ·
+ * head_dim of them) widened to float32 rows of `out`. */
+static int attend_chunk(const tandem_chunk *chunk, const float *qkv, int64_t qkv_size, const float *keys,
+                        const float *values, const tandem_layer_shape *shape, uint16_t *staging, float *out,
+                        int threads)
+{
+    int64_t q_size = shape->num_heads * shape->head_dim;
+    int status = tandem_prefill_attention(qkv + chunk->first_row * qkv_size, qkv_size, keys, values, chunk->slots,
+                                          shape->num_heads, shape->num_kv_heads, shape->head_dim, chunk->tokens,
+                                          chunk->context, shape->scale, staging, threads);
+    if (status)
+        return status;
+    float *rows = out + chunk->first_row * q_size;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < chunk->tokens * q_size; i++) {
+        uint32_t bits = (uint32_t)staging[i] << 16;
+        memcpy(rows + i, &bits, sizeof bits);
+    }
+    return 0;
+}
+
+/* A small step's decoder layers, each exactly as the kernels above compute it one call at a time:
  * x [rows, hidden] comes in as the embeddings and leaves as the last layer's output; residual [rows,
  * hidden] comes in as zeros and leaves as the residual stream before it (the hidden state is their sum).
- * k_cache, v_cache: [num_layers, slots, kv_heads, head_dim], cache_layer_size floats per layer. scratch
- * holds rows · (hidden + qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per
- * layer takes the dispatch of each op out of the step. Returns decode attention's status where it is not
- * 0. */
+ * k_cache, v_cache: [num_layers, slots, kv_heads, head_dim], cache_layer_size floats per layer. The rows
+ * before the first of `chunks` attend as decodes, through block_tables and context_lens (one each); the
+ * chunks, one after another to the last row, as prefills (the AMX build). scratch holds rows · (hidden +
+ * qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per layer takes the dispatch
+ * of each op out of the step. Returns the attention's status where it is not 0. */
 int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const tandem_layer_shape *shape,
                          int64_t rows, float *x, float *residual, const int64_t *positions, const float *cos_table,
                          const float *sin_table, const int64_t *slot_mapping, float *k_cache, float *v_cache,
                          int64_t cache_layer_size, const int64_t *const *block_tables, const int64_t *context_lens,
-                         int64_t block_size, float *scratch, int threads)
+                         int64_t block_size, const tandem_chunk *chunks, int64_t num_chunks, float *scratch,
+                         int threads)
 {
+    int64_t decodes = num_chunks ? chunks[0].first_row : rows;
     int64_t hidden = shape->hidden, q_size = shape->num_heads * shape->head_dim;
     int64_t qkv_size = q_size + 2 * shape->num_kv_heads * shape->head_dim;
     float *normed = scratch, *qkv = normed + rows * hidden, *attention = qkv + rows * qkv_size;
@@ -1363,9 +1394,13 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
                       qkv, threads);
         tandem_rope_and_cache(qkv, rows, shape->num_heads, shape->num_kv_heads, shape->head_dim, positions,
                               cos_table, sin_table, slot_mapping, keys, values, threads);
-        int status = tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, rows,
-                                             block_size, shape->num_heads, shape->num_kv_heads, shape->head_dim,
-                                             shape->scale, attention, threads);
+        int status = decodes ? tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens,
+                                                       decodes, block_size, shape->num_heads, shape->num_kv_heads,
+                                                       shape->head_dim, shape->scale, attention, threads) : 0;
+        /* the chunks' bfloat16 outputs are staged where gate_up goes later in the layer */
+        for (int64_t c = 0; c < num_chunks && !status; c++)
+            status = attend_chunk(chunks + c, qkv, qkv_size, keys, values, shape, (uint16_t *)gate_up, attention,
+                                  threads);
         if (status)
             return status;
         tandem_linear(attention, rows, q_size, layer->o, layer->o_scales, shape->group, hidden, layer->o_bias, x,

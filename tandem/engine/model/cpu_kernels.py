@@ -9,7 +9,7 @@
   paged cache by slot, in bfloat16 tiles with float32 sums;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
-- ``decode_layers``: all the decoder layers of a step of decodes in one call.
+- ``decode_layers``: all the decoder layers of a small step in one call.
 
 The C source ships with the package. It is compiled with the system C compiler into
 ``$TANDEM_HOME/kernels`` once per source and instruction set (AVX2, or AVX-512 where the CPU has it, or
@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -91,7 +92,7 @@ class CpuKernels:
         self._silu_and_mul_bf16.restype = None
         self._decode_layers = c.tandem_decode_layers
         self._decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
-                                        i64, ptr, ctypes.c_int]
+                                        i64, ptr, i64, ptr, ctypes.c_int]
         self._decode_layers.restype = ctypes.c_int
         self._prefill_attention = c.tandem_prefill_attention
         self._prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
@@ -218,28 +219,43 @@ class CpuKernels:
 
     def decode_layers(self, layers: "DecodeLayers", x: torch.Tensor, positions: torch.Tensor,
                       cos_table: torch.Tensor, sin_table: torch.Tensor, slot_mapping: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: "BlockTables") -> tuple[torch.Tensor, torch.Tensor]:
-        """Every decoder layer of a step of decodes only, one row each, in one call: the last layer's output
-        and the residual stream before it, from the embeddings ``x`` [rows, hidden]. ``k_cache``,
-        ``v_cache``: [layers, slots, kv_heads, head_dim]."""
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: "BlockTables | None",
+                      chunks: Sequence[tuple[int, int, torch.Tensor]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer of a small step in one call: the last layer's output and the residual stream
+        before it, from the embeddings ``x`` [rows, hidden]. ``k_cache``, ``v_cache``: [layers, slots, kv_heads,
+        head_dim]. The first rows attend as decodes, one block table each; then each of ``chunks`` (first row,
+        tokens, int64 slots of its context, its own last), one after another to the last row, attends as a
+        prefill chunk, as ``prefill_attention`` does."""
         shape = layers.shape
         rows = x.shape[0]
+        decodes = len(block_tables) if block_tables is not None else 0
         _check_float32(x, cos_table, sin_table, k_cache, v_cache)
-        if x.shape[1] != shape.hidden or len(block_tables) != rows or not len(positions) == len(slot_mapping) == rows \
+        if x.shape[1] != shape.hidden or not len(positions) == len(slot_mapping) == rows \
                 or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 \
                 or k_cache.shape != v_cache.shape or k_cache.shape[0] != len(layers):
-            raise ValueError("decode_layers needs one position, slot and block table per row of the model's width, "
-                             "and caches of its layers")
+            raise ValueError("decode_layers needs one position and slot per row of the model's width, and caches "
+                             "of its layers")
+        ends = [decodes] + [first + tokens for first, tokens, _ in chunks]
+        if [first for first, _, _ in chunks] != ends[:-1] or ends[-1] != rows \
+                or any(slots.dtype != torch.int64 or not slots.is_contiguous() or len(slots) < tokens
+                       for _, tokens, slots in chunks):
+            raise ValueError("decode_layers needs a block table per decode row, then chunks one after another to "
+                             "the last row, each with contiguous int64 slots of its whole context")
+        if chunks and not self.attends_prefills(shape.num_heads, shape.num_kv_heads, shape.head_dim):
+            raise ValueError("decode_layers attends prompt chunks only where prefill_attention runs")
         x = x.clone()
         residual = torch.zeros_like(x)
         scratch = torch.empty(rows * layers.scratch_per_row, dtype=torch.float32)
+        chunk_table = (_Chunk * len(chunks))(*(_Chunk(first, tokens, len(slots), slots.data_ptr())
+                                               for first, tokens, slots in chunks))
         status = self._decode_layers(layers.table, len(layers), ctypes.byref(shape), rows, x.data_ptr(),
                                      residual.data_ptr(), positions.data_ptr(), cos_table.data_ptr(),
                                      sin_table.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
-                                     v_cache.data_ptr(), k_cache[0].numel(), block_tables.pointers.data_ptr(),
-                                     block_tables.context_lens.data_ptr(), block_tables.block_size, scratch.data_ptr(),
-                                     torch.get_num_threads())
+                                     v_cache.data_ptr(), k_cache[0].numel(),
+                                     block_tables.pointers.data_ptr() if decodes else None,
+                                     block_tables.context_lens.data_ptr() if decodes else None,
+                                     block_tables.block_size if decodes else 0, chunk_table, len(chunks),
+                                     scratch.data_ptr(), torch.get_num_threads())
         _check_attention_status(status, "decode_layers", shape.num_heads, shape.num_kv_heads, shape.head_dim)
         return x, residual
 
@@ -300,6 +316,10 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
         "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+
+
+class _Chunk(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("first_row", "tokens", "context")] + [("slots", ctypes.c_void_p)]
 
 
 class _LayerShape(ctypes.Structure):

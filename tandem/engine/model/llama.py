@@ -29,7 +29,8 @@ class AttentionMetadata:
     Decode rows come first in the flat batch and attend together: a request's one new token, or, in a step
     small enough (``ModelRunner._attends_as_decodes``), any token, each over its positions up to its own;
     through the CPU kernel, which reads the cache in place by block table, or else through a padded gather.
-    Each prefill chunk after them attends on its own.
+    Each prefill chunk after them attends on its own; where the CPU kernels attend prefill chunks, a step small
+    enough runs them, its decodes and all its layers in one kernel call.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
@@ -48,6 +49,12 @@ class PrefillChunk:
     # [1, 1, num_tokens, context_len] causal with the prefix offset, 0 or -inf, for torch's attention; None
     # without a prefix, or where the CPU kernels attend prefill chunks (they take no mask)
     mask: torch.Tensor | None
+
+    def slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """The cache slots of the chunk's whole context, its own positions last."""
+        if self.context_slots is not None:
+            return self.context_slots
+        return slot_mapping[self.token_start:self.token_start + self.num_tokens]
 
 
 class RMSNorm(nn.Module):
@@ -149,9 +156,11 @@ class Attention(nn.Module):
             ).squeeze(2)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            if self.prefill_kernel:  # its rows are bfloat16 (``activations``): prefill steps are batched steps
-                slots = meta.slot_mapping[rows] if chunk.context_slots is None else chunk.context_slots
-                self.cpu_kernels.prefill_attention(q[rows], k_cache, v_cache, slots, self.scale, out[rows])
+            if self.prefill_kernel:  # bfloat16 out; a small step's float32 rows take it widened, as decode_layers
+                staged = out[rows] if out.dtype == torch.bfloat16 else torch.empty(q[rows].shape, dtype=torch.bfloat16)
+                self.cpu_kernels.prefill_attention(q[rows], k_cache, v_cache, chunk.slots(meta.slot_mapping),
+                                                   self.scale, staged)
+                out[rows] = staged
                 continue
             if chunk.context_slots is None:
                 keys, values = k[rows], v[rows]
@@ -244,10 +253,13 @@ class CausalLM(nn.Module):
             k_cache, v_cache: [num_layers, num_slots, num_kv_heads, head_dim].
         """
         x, residual = self.embed_tokens(input_ids), None
-        if self.decode_layers is not None and meta.decode_block_tables is not None and not meta.prefills \
-                and len(input_ids) <= self._decode_rows:
+        if self.decode_layers is not None and len(input_ids) <= self._decode_rows \
+                and (meta.decode_block_tables is not None or not meta.num_decodes) \
+                and (not meta.prefills or self.attends_prefills_in_kernels):
+            chunks = [(chunk.token_start, chunk.num_tokens, chunk.slots(meta.slot_mapping)) for chunk in meta.prefills]
             x, residual = self.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
-                                                         meta.slot_mapping, k_cache, v_cache, meta.decode_block_tables)
+                                                         meta.slot_mapping, k_cache, v_cache, meta.decode_block_tables,
+                                                         chunks)
         else:
             if self.uses_cpu_kernels:
                 cos, sin = cos_table, sin_table
