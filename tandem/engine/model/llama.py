@@ -157,10 +157,12 @@ class Attention(nn.Module):
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             if self.prefill_kernel:  # bfloat16 out; a small step's float32 rows take it widened, as decode_layers
-                staged = out[rows] if out.dtype == torch.bfloat16 else torch.empty(q[rows].shape, dtype=torch.bfloat16)
+                widened = out.dtype != torch.bfloat16
+                staged = torch.empty(q[rows].shape, dtype=torch.bfloat16) if widened else out[rows]
                 self.cpu_kernels.prefill_attention(q[rows], k_cache, v_cache, chunk.slots(meta.slot_mapping),
                                                    self.scale, staged)
-                out[rows] = staged
+                if widened:
+                    out[rows] = staged
                 continue
             if chunk.context_slots is None:
                 keys, values = k[rows], v[rows]
