@@ -110,23 +110,22 @@ def test_decisions_read_each_workers_cached_prefix_from_its_index_as_the_worker_
 def test_saturated_gpu_worker_makes_the_router_offload(stack):
     router, workers = stack
     gpu = workers["gpu"]
+    # 12 rounds of 8 requests, about 1.8 s a round here: the gpu worker stays loaded long enough for a busy
+    # machine to see it
     load = [gpu.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=list(range(40))),
                                                          max_new_tokens=900, sampling=GREEDY, ignore_eos=True), timeout=60)
-            for _ in range(40)]
+            for _ in range(96)]
     try:
         for call in load[:8]:
             next(call)
-        # All 40 admitted: with the engine thread in the normal scheduling class this can take longer than the
-        # default wait on a busy 2-core machine.
-        wait_until(lambda: (s := gpu.stub.Estimate(worker_pb2.EstimateRequest(), timeout=5)).num_running
-                   + s.num_waiting == len(load), timeout=60)
+
         def explained():  # once the router's snapshot of the gpu worker shows the load
             decision = router.stub.Explain(router_pb2.ExplainRequest(request=route(list(range(70, 90)), 32)),
                                            timeout=10).decision
             gpu_score = next(s for s in decision.scores if s.worker == "gpu")
             return decision if gpu_score.pending_decode_tokens > 20000 and gpu_score.num_running == 8 else None
 
-        assert wait_until(explained, 10).chosen_worker == "cpu"
+        assert wait_until(explained, 60).chosen_worker == "cpu"
         responses = list(router.stub.Generate(route(list(range(70, 90)), 4), timeout=60))
         assert responses[0].decision.chosen_worker == "cpu" and responses[-1].worker == "cpu"
     finally:
