@@ -1,8 +1,8 @@
 """The live hybrid experiment on a machine with an NVIDIA GPU: router + cpu_worker + gpu_worker (CUDA).
 
-Runs seed-burst (the default model, or the directory TANDEM_DEVICE_MODEL names) for N = 8 and 48 with `cost` and `gpu_only` at GPU max_active 4,
-sweeps `gpu_only` over GPU max_active 1..32 at N = 48, then runs the best of the sweep at N = 8 and
-`cost` with that GPU setting. One fresh stack per run. Writes hybrid.json (and each run's record) into
+Runs seed-burst (the default model, or the directory TANDEM_DEVICE_MODEL names) for N = 8 and 48 with
+`cost` and `gpu_only` at GPU max_active 4, sweeps `gpu_only` over GPU max_active 1..32 at N = 48, then runs
+the best of the sweep at N = 8 and `cost` with that GPU setting. One fresh stack per run. Writes hybrid.json (and each run's record) into
 the directory given.
 """
 

@@ -1359,10 +1359,8 @@ static int attend_chunk(const tandem_chunk *chunk, const float *qkv, int64_t qkv
         return status;
     float *rows = out + chunk->first_row * q_size;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < chunk->tokens * q_size; i++) {
-        uint32_t bits = (uint32_t)staging[i] << 16;
-        memcpy(rows + i, &bits, sizeof bits);
-    }
+    for (int64_t i = 0; i < chunk->tokens * q_size; i++)
+        rows[i] = load_one(staging, i, 1);
     return 0;
 }
 
