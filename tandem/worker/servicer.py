@@ -94,9 +94,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                  "gen_ai.usage.input_tokens": engine_request.num_prompt_tokens})
             self._inflight += 1
             self._idle.clear()
-            # Headers go out once the (first) request is queued, so they do not ride on the first token.
-            streams = [engine.generate(sample, on_queued=None if index else lambda: context.send_initial_metadata(()))
-                       for index, sample in enumerate(samples)]
+            headers = _HeadersOnceQueued(context, len(samples))
+            streams = [engine.generate(sample, on_queued=headers.sample_queued) for sample in samples]
             try:
                 async with contextlib.aclosing(merged(streams)) as outputs:
                     async for index, output in outputs:
@@ -262,6 +261,26 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code = next(code for error, code in _STATUS_CODES.items() if isinstance(exc, error))
     details = f"worker engine failed: {exc}" if isinstance(exc, EngineDeadError) else str(exc)
     await context.abort(code, details)
+
+
+class _HeadersOnceQueued:
+    """Sends a call's headers once all its samples are queued, so a proxy learns the call was taken before any token.
+
+    Every sample's outputs wait until the headers are out: a call takes one write at a time, and a sample's
+    output written while the headers are in flight fails the whole call.
+    """
+
+    def __init__(self, context: grpc.aio.ServicerContext, samples: int):
+        self._context = context
+        self._unqueued = samples
+        self._sent = asyncio.Event()
+
+    async def sample_queued(self) -> None:
+        self._unqueued -= 1
+        if not self._unqueued:
+            await self._context.send_initial_metadata(())
+            self._sent.set()
+        await self._sent.wait()
 
 
 def _to_response(request_id: str, output: RequestOutput, index: int = 0) -> worker_pb2.GenerateResponse:

@@ -1,7 +1,8 @@
-"""The worker servicer maps each engine error to one status code, in every RPC."""
+"""The worker servicer: each engine error maps to one status code in every RPC, and a call's writes never overlap."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import grpc
@@ -90,3 +91,29 @@ async def test_watch_state_refuses_an_interval_out_of_range_naming_the_field():
         async for _ in servicer.WatchState(worker_pb2.WatchStateRequest(interval_s=1000), context):
             pass
     assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "interval_s: must be 0 or within [0.01, 60.0], got 1000.0")
+
+
+async def test_no_sample_is_written_before_the_headers_of_a_call_with_n_samples():
+    """A call takes one write at a time: a sample's token sent while the headers are in flight fails the call."""
+    writes = []
+
+    class SlowHeadersContext(FakeContext):
+        async def send_initial_metadata(self, metadata):
+            writes.append("headers started")
+            await asyncio.sleep(0.05)
+            writes.append("headers sent")
+
+    class ImmediateEngine:
+        async def generate(self, request, on_queued=None):
+            if on_queued is not None:
+                await on_queued()
+            yield SimpleNamespace(finish_reason=None, finished=False, token_ids=[7], text="x", logprobs=[],
+                                  prompt_logprobs=[])
+
+    servicer = WorkerServicer("cpu")
+    servicer.attach(ImmediateEngine(), identity=None, tokenizer=None)
+    request = worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 2]), max_new_tokens=4, n=3)
+    async for response in servicer.Generate(request, SlowHeadersContext()):
+        writes.append(f"sample {response.index}")
+    assert writes[:2] == ["headers started", "headers sent"]
+    assert sorted(writes[2:]) == ["sample 0", "sample 1", "sample 2"]
