@@ -19,7 +19,7 @@ import math
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import pydantic
@@ -165,11 +165,13 @@ class OpenAIFrontEnd:
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        return await self._generate(request, await self._parse(request, ChatCompletionRequest))
+        body = await self._parse(request, ChatCompletionRequest)
+        return await _unless_disconnected(request, self._generate(request, body))
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        return await self._generate(request, await self._parse(request, CompletionRequest))
+        body = await self._parse(request, CompletionRequest)
+        return await _unless_disconnected(request, self._generate(request, body))
 
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the token ids of a prompt or of a chat, as a completion or chat request would send."""
@@ -376,6 +378,9 @@ class OpenAIFrontEnd:
         """The Responses API, stateless: the conversation rendered as a chat; one message, or calls, out."""
         self._authorize(request)
         body = await self._parse(request, ResponsesRequest)
+        return await _unless_disconnected(request, self._respond(request, body))
+
+    async def _respond(self, request: Request, body: ResponsesRequest) -> Response:
         try:
             tool_use = body.tool_use(self.renders_tools)
             prompt = _truncated(body, await encode_chat(self.tokenizer, body.conversation(tool_use), "input",
@@ -771,6 +776,30 @@ def _data(payload: dict) -> bytes:
 
 
 _DONE = b"data: [DONE]\n\n"
+
+
+async def _unless_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """``answer``, cancelled if the client disconnects first, so that no worker generates for nobody (a
+    client that gives up waiting for a queued request, say). A stream that has started watches for the
+    disconnect itself (``StreamingResponse``)."""
+    answering = asyncio.ensure_future(answer)
+    disconnected = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((answering, disconnected), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not answering.done():
+            answering.cancel()
+            await asyncio.wait((answering,))  # its worker calls are closed before the handler returns
+    if answering.cancelled():
+        raise HttpError(499, "the client disconnected before the response")
+    return answering.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client disconnects (the body has been read: nothing else comes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event_stream(events: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:

@@ -4,7 +4,9 @@ raw HTTP, in front of two real workers on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 from typing import Literal
 
@@ -18,6 +20,7 @@ from tandem.launch import free_port
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (
     HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, serving_router,
+    wait_until,
 )
 
 ALIAS = "tandem-tiny"
@@ -667,6 +670,27 @@ def test_a_client_that_disconnects_mid_stream_frees_the_worker(stack):
         lines = response.iter_lines()
         received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
     assert len(received) >= 2
+    assert_no_leaks(router, workers)
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_gives_up_before_the_first_token_frees_the_worker(stack, stream):
+    """The router cancels the request as the client disconnects, though it has nothing to write to notice that."""
+    router, url, workers = stack
+    gave_up = ("tandem_router_http_requests_total", (("route", "/v1/completions"), ("status", "499")))
+    before = scrape_metrics(router).get(gave_up, 0)
+    body = {"model": ALIAS, "prompt": list(range(100, 140)), "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    for worker in workers.values():
+        os.kill(worker.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=1.5)  # no worker answers while stopped
+        wait_until(lambda: scrape_metrics(router).get(gave_up, 0) == before + 1)
+    finally:
+        for worker in workers.values():
+            os.kill(worker.process.pid, signal.SIGCONT)
     assert_no_leaks(router, workers)
 
 
