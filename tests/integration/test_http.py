@@ -46,7 +46,7 @@ def stack(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(stack):
     _, url, _ = stack
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         yield client
 
 
@@ -122,7 +122,7 @@ def test_a_repeated_prompt_reports_cached_tokens(client):
 
 async def test_the_async_client_streams(stack):
     _, url, _ = stack
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
         stream = await client.chat.completions.create(model=ALIAS, messages=CHAT, stream=True, **GREEDY)
         chunks = [chunk async for chunk in stream]
         completion = await client.completions.create(model=ALIAS, prompt=[1, 2, 3], **GREEDY)
