@@ -41,7 +41,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     model_dir = await asyncio.to_thread(resolve_model, config.model)
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     fingerprint = await asyncio.to_thread(model_fingerprint, model_dir)
-    registry = WorkerRegistry(list(config.workers), fingerprint, config.worker_tls)
+    registry = WorkerRegistry(list(config.workers), fingerprint, config.worker_tls, config.worker_keepalive_s)
     auth = [BearerTokenAuth(config.auth_tokens)] if config.auth_tokens else []
     service = GrpcService(ROUTER_SERVICE, config.host, config.port, tls=config.tls, interceptors=auth, options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),

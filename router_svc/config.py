@@ -14,7 +14,7 @@ from pathlib import Path
 from router_svc import discovery
 from router_svc.policies import DEFAULT_POLICY, POLICIES
 from router_svc.replacement import CHECK_INTERVAL_S
-from router_svc.workers import WorkerAddress
+from router_svc.workers import KEEPALIVE_S, WorkerAddress
 from tandem.options import (
     EnvArgumentParser,
     non_negative_float,
@@ -24,6 +24,7 @@ from tandem.options import (
     positive_int,
 )
 from tandem.security import ClientTLS, ServerTLS, add_server_tls_arguments, client_tls, server_tls
+from tandem.serving import MIN_KEEPALIVE_S
 
 WORKERS_ENV = "TANDEM_WORKERS"
 DISCOVER_ENV = "TANDEM_DISCOVER"
@@ -42,6 +43,7 @@ class RouterConfig:
     tls: ServerTLS | None = None
     auth_tokens: tuple[str, ...] = ()
     worker_tls: ClientTLS | None = None
+    worker_keepalive_s: float = KEEPALIVE_S
     max_inflight: int = 512
     max_queued: int = 512
     queue_timeout_s: float = 30.0
@@ -54,6 +56,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.worker_keepalive_s < MIN_KEEPALIVE_S:
+            raise ValueError(f"worker_keepalive_s must be at least {MIN_KEEPALIVE_S} (the workers' quickest "
+                             f"keepalive); got {self.worker_keepalive_s}")
         if not self.workers and not self.discover:
             raise ValueError("at least one --worker NAME=KIND@HOST:PORT or --discover is required")
 
@@ -105,6 +110,11 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                             type=positive_float, help="longest wait for a slot before RESOURCE_EXHAUSTED")
     parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", defaults.get("max_message_bytes", 4 << 20),
                             type=positive_int, help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED")
+    parser.add_env_argument("--worker-keepalive-s", "TANDEM_WORKER_KEEPALIVE_S", defaults.get("worker_keepalive_s", KEEPALIVE_S),
+                            type=positive_float, help="seconds a worker's connection may stay silent before the "
+                                                      "router pings it; a worker that answers no ping within as long "
+                                                      "again (a frozen host, a cut network) is lost: its calls fail "
+                                                      "and fail over as a crashed worker's do")
     add_server_tls_arguments(parser, defaults)
     parser.add_env_argument("--auth-token-file", "TANDEM_AUTH_TOKEN_FILE", defaults.get("auth_token_file"),
                             help="file of bearer tokens, one per line: clients must send one (health stays open)")
@@ -149,6 +159,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
             tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
             auth_tokens=read_tokens(args.auth_token_file) if args.auth_token_file else (),
             worker_tls=client_tls(args.worker_ca, args.worker_cert, args.worker_key),
+            worker_keepalive_s=args.worker_keepalive_s,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -18,6 +18,7 @@ from router_svc.probes import ProbeStream
 from router_svc.worker_view import Credit, WorkerReport, WorkerView, reported_block_size
 from tandem.protocol import WORKER_KINDS
 from tandem.security import ClientTLS, aio_channel
+from tandem.serving import keepalive_options
 from tandem.telemetry import child_span, mark_failed, outgoing_metadata, tracer
 from tandem.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 _tracer = tracer("tandem.router")
 
 WATCH_INTERVAL_S = 0.5
+KEEPALIVE_S = 10.0
 BACKOFF_INITIAL_S = 0.1
 BACKOFF_MAX_S = 5.0
 _SPEC = re.compile(r"^(?P<name>[A-Za-z0-9_.-]+)=(?P<kind>cpu|gpu)@(?P<host>[^:@]+|\[[0-9a-fA-F:]+\]):(?P<port>\d{1,5})$")
@@ -68,7 +70,7 @@ class Worker:
         self.source = source
         self.leaving = False
         self._registry = registry
-        self.channel = aio_channel(address.address, registry.tls)
+        self.channel = aio_channel(address.address, registry.tls, keepalive_options(registry.keepalive_s))
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: worker_pb2.GetInfoResponse | None = None
@@ -268,11 +270,13 @@ class WorkerRegistry:
         reference_fingerprint: the fingerprint of the model the router was configured with; when None,
             the first fingerprint a worker reports becomes the reference.
         tls: TLS (and mTLS) settings for the channels to the workers; None for plaintext.
+        keepalive_s: the channels' keepalive (``tandem.serving.keepalive_options``).
     """
 
     def __init__(self, addresses: list[WorkerAddress], reference_fingerprint: str | None = None,
-                 tls: ClientTLS | None = None):
+                 tls: ClientTLS | None = None, keepalive_s: float = KEEPALIVE_S):
         self.tls = tls
+        self.keepalive_s = keepalive_s
         names = [a.name for a in addresses]
         if len(set(names)) != len(names):
             raise ValueError(f"worker names must be unique: {names}")

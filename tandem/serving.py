@@ -13,6 +13,21 @@ from tandem.security import ServerTLS
 
 logger = logging.getLogger(__name__)
 
+# The quickest keepalive a server takes: a client may ping it once a second, even on a connection with no
+# call or data (more often earns strikes, then GOAWAY). The router pings its workers (``keepalive_options``).
+MIN_KEEPALIVE_S = 1.0
+_PING_POLICY = [("grpc.http2.min_ping_interval_without_data_ms", int(MIN_KEEPALIVE_S * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1)]
+
+
+def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
+    """A channel's options that ping the server after ``interval_s`` seconds without a frame from it, and fail
+    every call on the connection when a ping goes unanswered for as long again: a frozen host or a cut
+    network ends its calls instead of leaving them open forever (a closed connection ends them at once)."""
+    ms = int(interval_s * 1000)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
@@ -27,7 +42,7 @@ class GrpcService:
                  tls: ServerTLS | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         self.service_name = service_name
         self.address = f"{host}:{port}"
-        self.server = grpc.aio.server(options=options or [], interceptors=[*interceptors, MalformedRequestGuard()])
+        self.server = grpc.aio.server(options=[*_PING_POLICY, *(options or [])], interceptors=[*interceptors, MalformedRequestGuard()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((service_name, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)

@@ -1,5 +1,5 @@
 """Reliability guarantees on real processes (127.0.0.1, tiny model), each bounded in count and time:
-bounded admission, SIGKILL under load, cancellation storms, deadlines, restarts, a stopped worker."""
+bounded admission, SIGKILL under load, cancellation storms, deadlines, restarts, a stopped or frozen worker."""
 
 from __future__ import annotations
 
@@ -201,6 +201,27 @@ def test_router_restart_while_workers_keep_running(tiny_llama, tmp_path):
             assert_no_leaks(restarted, workers)
         finally:
             restarted.close()
+
+
+def test_a_frozen_worker_is_found_out_by_keepalive_and_its_stream_ends(tiny_llama, tmp_path):
+    """SIGSTOP a worker for good, mid-stream: its connection stays open and silent, so only the router's
+    keepalive pings find it out. Its stream ends UNAVAILABLE, long before the call's own deadline, and the
+    worker leaves routing; after SIGCONT it serves again and nothing leaked."""
+    with cluster(tiny_llama, tmp_path, step_delay_s=0.05, router_args=("--worker-keepalive-s", "1")) as (router, workers):
+        call = router.stub.Generate(_request(1000), timeout=120)  # 50 s of steps at the harness's delay
+        frozen = next(call).decision.chosen_worker
+        assert next(call).token_ids
+        os.kill(workers[frozen].process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.RpcError) as ended:
+                for _ in call:
+                    pass
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+            router.wait_for_backends(set(workers) - {frozen})
+        finally:
+            os.kill(workers[frozen].process.pid, signal.SIGCONT)
+        router.wait_for_backends(set(workers))
+        assert_no_leaks(router, workers)
 
 
 @pytest.mark.parametrize("prefix_index", [True, False], ids=["indexed", "probed"])

@@ -43,9 +43,13 @@ def test_any_number_of_workers(monkeypatch):
     assert len(parse_config(args).workers) == 12
 
 
-@pytest.mark.parametrize("argv", [[], ["--worker", "a=cpu@h:1", "--policy", "fastest"], ["--worker", "bad"]])
-def test_invalid_settings_exit_with_a_message(argv, monkeypatch, capsys):
+@pytest.mark.parametrize(("argv", "named"), [
+    ([], "--worker"), (["--worker", "a=cpu@h:1", "--policy", "fastest"], "--policy"), (["--worker", "bad"], "bad"),
+    (["--worker", "a=cpu@h:1", "--worker-keepalive-s", "0.5"], "worker_keepalive_s"),
+])
+def test_invalid_settings_exit_with_a_message_naming_the_setting(argv, named, monkeypatch, capsys):
     monkeypatch.delenv("TANDEM_WORKERS", raising=False)
     with pytest.raises(SystemExit):
         parse_config(argv)
-    assert "error" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "error" in error and named in error
