@@ -110,11 +110,11 @@ def build_parser(file_defaults: dict | None = None) -> EnvArgumentParser:
                             type=positive_float, help="longest wait for a slot before RESOURCE_EXHAUSTED")
     parser.add_env_argument("--max-message-bytes", "TANDEM_MAX_MESSAGE_BYTES", defaults.get("max_message_bytes", 4 << 20),
                             type=positive_int, help="largest request message accepted; larger ones get RESOURCE_EXHAUSTED")
-    parser.add_env_argument("--worker-keepalive-s", "TANDEM_WORKER_KEEPALIVE_S", defaults.get("worker_keepalive_s", KEEPALIVE_S),
-                            type=positive_float, help="seconds a worker's connection may stay silent before the "
-                                                      "router pings it; a worker that answers no ping within as long "
-                                                      "again (a frozen host, a cut network) is lost: its calls fail "
-                                                      "and fail over as a crashed worker's do")
+    parser.add_env_argument("--worker-keepalive-s", "TANDEM_WORKER_KEEPALIVE_S",
+                            defaults.get("worker_keepalive_s", KEEPALIVE_S), type=positive_float,
+                            help="seconds a worker's connection may stay silent before the router pings it; a worker "
+                                 "that answers no ping within as long again (a frozen host, a cut network) is lost: "
+                                 "its calls fail and fail over as a crashed worker's do")
     add_server_tls_arguments(parser, defaults)
     parser.add_env_argument("--auth-token-file", "TANDEM_AUTH_TOKEN_FILE", defaults.get("auth_token_file"),
                             help="file of bearer tokens, one per line: clients must send one (health stays open)")

@@ -42,7 +42,8 @@ class GrpcService:
                  tls: ServerTLS | None = None, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         self.service_name = service_name
         self.address = f"{host}:{port}"
-        self.server = grpc.aio.server(options=[*_PING_POLICY, *(options or [])], interceptors=[*interceptors, MalformedRequestGuard()])
+        self.server = grpc.aio.server(options=[*_PING_POLICY, *(options or [])],
+                                      interceptors=[*interceptors, MalformedRequestGuard()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((service_name, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)

@@ -207,7 +207,8 @@ def test_a_frozen_worker_is_found_out_by_keepalive_and_its_stream_ends(tiny_llam
     """SIGSTOP a worker for good, mid-stream: its connection stays open and silent, so only the router's
     keepalive pings find it out. Its stream ends UNAVAILABLE, long before the call's own deadline, and the
     worker leaves routing; after SIGCONT it serves again and nothing leaked."""
-    with cluster(tiny_llama, tmp_path, step_delay_s=0.05, router_args=("--worker-keepalive-s", "1")) as (router, workers):
+    keepalive = ("--worker-keepalive-s", "1")
+    with cluster(tiny_llama, tmp_path, step_delay_s=0.05, router_args=keepalive) as (router, workers):
         call = router.stub.Generate(_request(1000), timeout=120)  # 50 s of steps at the harness's delay
         frozen = next(call).decision.chosen_worker
         assert next(call).token_ids
