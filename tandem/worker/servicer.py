@@ -94,7 +94,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                  "gen_ai.usage.input_tokens": engine_request.num_prompt_tokens})
             self._inflight += 1
             self._idle.clear()
-            headers = _HeadersOnceQueued(context, len(samples))
+            headers = _HeadersFirst(context)
             streams = [engine.generate(sample, on_queued=headers.sample_queued) for sample in samples]
             try:
                 async with contextlib.aclosing(merged(streams)) as outputs:
@@ -263,21 +263,20 @@ async def _abort_for(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(code, details)
 
 
-class _HeadersOnceQueued:
-    """Sends a call's headers once all its samples are queued, so a proxy learns the call was taken before any token.
-
-    Every sample's outputs wait until the headers are out: a call takes one write at a time, and a sample's
-    output written while the headers are in flight fails the whole call.
+class _HeadersFirst:
+    """Sends a call's headers once its first sample is queued, so a proxy learns the call was taken before any
+    token, and holds every sample's outputs until they are out: a call takes one write at a time, and an output
+    written while the headers are in flight fails the whole call.
     """
 
-    def __init__(self, context: grpc.aio.ServicerContext, samples: int):
+    def __init__(self, context: grpc.aio.ServicerContext):
         self._context = context
-        self._unqueued = samples
+        self._sending = False
         self._sent = asyncio.Event()
 
     async def sample_queued(self) -> None:
-        self._unqueued -= 1
-        if not self._unqueued:
+        if not self._sending:
+            self._sending = True
             await self._context.send_initial_metadata(())
             self._sent.set()
         await self._sent.wait()

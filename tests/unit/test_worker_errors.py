@@ -93,7 +93,33 @@ async def test_watch_state_refuses_an_interval_out_of_range_naming_the_field():
     assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "interval_s: must be 0 or within [0.01, 60.0], got 1000.0")
 
 
-async def test_no_sample_is_written_before_the_headers_of_a_call_with_n_samples():
+class ImmediateEngine:
+    """Queues every sample at once; each yields one token as soon as it is queued."""
+
+    def __init__(self):
+        self.first_output = asyncio.Event()
+
+    async def generate(self, request, on_queued=None):
+        if on_queued is not None:
+            await on_queued()
+        self.first_output.set()
+        yield SimpleNamespace(finish_reason=None, finished=False, token_ids=[7], text="x", logprobs=[],
+                              prompt_logprobs=[])
+
+
+class StagedEngine(ImmediateEngine):
+    """Queues a later sample only once the first has an output, as the vLLM engine does (it reuses the first
+    sample's computed prompt)."""
+
+    async def generate(self, request, on_queued=None):
+        if request.shares_prompt_with is not None:
+            await self.first_output.wait()
+        async for output in super().generate(request, on_queued):
+            yield output
+
+
+@pytest.mark.parametrize("engine", [ImmediateEngine, StagedEngine])
+async def test_no_sample_is_written_before_the_headers_of_a_call_with_n_samples(engine):
     """A call takes one write at a time: a sample's token sent while the headers are in flight fails the call."""
     writes = []
 
@@ -103,17 +129,11 @@ async def test_no_sample_is_written_before_the_headers_of_a_call_with_n_samples(
             await asyncio.sleep(0.05)
             writes.append("headers sent")
 
-    class ImmediateEngine:
-        async def generate(self, request, on_queued=None):
-            if on_queued is not None:
-                await on_queued()
-            yield SimpleNamespace(finish_reason=None, finished=False, token_ids=[7], text="x", logprobs=[],
-                                  prompt_logprobs=[])
-
     servicer = WorkerServicer("cpu")
-    servicer.attach(ImmediateEngine(), identity=None, tokenizer=None)
+    servicer.attach(engine(), identity=None, tokenizer=None)
     request = worker_pb2.GenerateRequest(prompt_token_ids=worker_pb2.TokenIds(ids=[1, 2]), max_new_tokens=4, n=3)
-    async for response in servicer.Generate(request, SlowHeadersContext()):
-        writes.append(f"sample {response.index}")
+    async with asyncio.timeout(10):  # a sample that waits on another's output must not wait forever
+        async for response in servicer.Generate(request, SlowHeadersContext()):
+            writes.append(f"sample {response.index}")
     assert writes[:2] == ["headers started", "headers sent"]
     assert sorted(writes[2:]) == ["sample 0", "sample 1", "sample 2"]
