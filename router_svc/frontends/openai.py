@@ -782,24 +782,23 @@ async def _unless_disconnected(request: Request, answer: Awaitable[Response]) ->
     """``answer``, cancelled if the client disconnects first, so that no worker generates for nobody (a
     client that gives up waiting for a queued request, say). A stream that has started watches for the
     disconnect itself (``StreamingResponse``)."""
-    answering = asyncio.ensure_future(answer)
-    disconnected = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, asyncio.current_task()))
     try:
-        await asyncio.wait((answering, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        return await answer
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled():  # cancelled by someone else
+            raise
+        asyncio.current_task().uncancel()
+        raise HttpError(499, "the client disconnected before the response") from None
     finally:
-        disconnected.cancel()
-        if not answering.done():
-            answering.cancel()
-            await asyncio.wait((answering,))  # its worker calls are closed before the handler returns
-    if answering.cancelled():
-        raise HttpError(499, "the client disconnected before the response")
-    return answering.result()
+        watcher.cancel()
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the client disconnects (the body has been read: nothing else comes)."""
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task) -> None:
+    """Cancel ``task`` once the client disconnects (the body has been read: nothing else comes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+    task.cancel()
 
 
 def _event_stream(events: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
