@@ -34,6 +34,14 @@ def test_greedy_without_processing_takes_the_most_likely_token():
     assert greedy_pick(LOGITS, request_with(GREEDY)) == 3
 
 
+def test_greedy_takes_the_first_of_tied_tokens_as_argmax_does():
+    tied = [0.0, 3.0, 1.0, 3.0, 3.0, 0.0, 0.0, 0.0]
+    assert greedy_pick(tied, request_with(GREEDY)) == 1
+    wide = torch.zeros(4, 49152)
+    wide[:, [40000, 9000, 30000]] = 7.0
+    assert [s.token_id for s in sample(wide, [request_with(GREEDY)] * 4, ())] == [9000] * 4
+
+
 def test_logit_bias_moves_the_choice():
     assert greedy_pick(LOGITS, request_with(SamplingParams(temperature=0, logit_bias={6: 5.0}))) == 6
     assert greedy_pick(LOGITS, request_with(SamplingParams(temperature=0, logit_bias={3: -1.0}))) == 4
