@@ -2,8 +2,8 @@
 
 Runs seed-burst (the default model, or the directory TANDEM_DEVICE_MODEL names) for N = 8 and 48 with
 `cost` and `gpu_only` at GPU max_active 4, sweeps `gpu_only` over GPU max_active 1..32 at N = 48, then runs
-the best of the sweep at N = 8 and `cost` with that GPU setting. One fresh stack per run. Writes hybrid.json (and each run's record) into
-the directory given.
+the best of the sweep at N = 8 and `cost` with that GPU setting. One fresh stack per run. Writes hybrid.json
+(and each run's record) into the directory given.
 """
 
 from __future__ import annotations

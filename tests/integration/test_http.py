@@ -4,9 +4,7 @@ raw HTTP, in front of two real workers on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import threading
 from typing import Literal
 
@@ -20,7 +18,7 @@ from tandem.launch import free_port
 from tests.integration.test_reliability import assert_no_leaks
 from tests.integration.workers import (
     HARNESS, NOT_SERVING, SERVING, RouterProcess, WorkerProcess, running_worker, scrape_metrics, serving_router,
-    wait_until,
+    stopped, wait_until,
 )
 
 ALIAS = "tandem-tiny"
@@ -673,7 +671,6 @@ def test_a_client_that_disconnects_mid_stream_frees_the_worker(stack):
     assert_no_leaks(router, workers)
 
 
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_gives_up_before_the_first_token_frees_the_worker(stack, stream):
     """The router cancels the request as the client disconnects, though it has nothing to write to notice that."""
@@ -682,15 +679,10 @@ def test_a_client_that_gives_up_before_the_first_token_frees_the_worker(stack, s
     before = scrape_metrics(router).get(gave_up, 0)
     body = {"model": ALIAS, "prompt": list(range(100, 140)), "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": stream}
-    for worker in workers.values():
-        os.kill(worker.process.pid, signal.SIGSTOP)
-    try:
+    with stopped(*workers.values()):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json=body, timeout=1.5)  # no worker answers while stopped
         wait_until(lambda: scrape_metrics(router).get(gave_up, 0) == before + 1)
-    finally:
-        for worker in workers.values():
-            os.kill(worker.process.pid, signal.SIGCONT)
     assert_no_leaks(router, workers)
 
 

@@ -4,9 +4,7 @@ bounded admission, SIGKILL under load, cancellation storms, deadlines, restarts,
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +13,7 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
-from tests.integration.workers import HARNESS, SERVING, RouterProcess, WorkerProcess, wait_until
+from tests.integration.workers import HARNESS, SERVING, RouterProcess, WorkerProcess, stopped, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -212,15 +210,12 @@ def test_a_frozen_worker_is_found_out_by_keepalive_and_its_stream_ends(tiny_llam
         call = router.stub.Generate(_request(1000), timeout=120)  # 50 s of steps at the harness's delay
         frozen = next(call).decision.chosen_worker
         assert next(call).token_ids
-        os.kill(workers[frozen].process.pid, signal.SIGSTOP)
-        try:
+        with stopped(workers[frozen]):
             with pytest.raises(grpc.RpcError) as ended:
                 for _ in call:
                     pass
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
             router.wait_for_backends(set(workers) - {frozen})
-        finally:
-            os.kill(workers[frozen].process.pid, signal.SIGCONT)
         router.wait_for_backends(set(workers))
         assert_no_leaks(router, workers)
 
@@ -236,8 +231,7 @@ def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path, prefix_in
     request = _request(4)
     request.policy = "least_loaded"
     with cluster(tiny_llama, tmp_path, step_delay_s=0.0, worker_env=env) as (router, workers):
-        os.kill(workers["a"].process.pid, signal.SIGSTOP)
-        try:
+        with stopped(workers["a"]):
             def timed(index):
                 start = time.monotonic()
                 call = router.stub.Generate(request, timeout=60)
@@ -254,8 +248,6 @@ def test_a_stopped_worker_does_not_stall_routing(tiny_llama, tmp_path, prefix_in
             assert all(decided < 2.0 for _, decided, _ in results)
             on_b = [responses for decision, _, responses in results if decision.chosen_worker == "b"]
             assert len(on_b) >= 2 and all(responses[-1].result.usage.output_tokens == 4 for responses in on_b)
-        finally:
-            os.kill(workers["a"].process.pid, signal.SIGCONT)
         for decision, _, call in results:
             if decision.chosen_worker == "a":
                 assert list(call)[-1].result.usage.output_tokens == 4

@@ -203,6 +203,18 @@ def _realtime() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
+def stopped(*workers: WorkerProcess):
+    """The workers' own processes stopped (SIGSTOP) for the block: connections open, nothing answered."""
+    for worker in workers:
+        os.kill(worker.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for worker in workers:
+            os.kill(worker.process.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
 def stalled(worker: WorkerProcess):
     """A ``Stall`` of the worker for the block."""
     stall = Stall(worker)
