@@ -1,5 +1,6 @@
 """The CPU kernels (built here with the machine's C compiler, as a worker builds them) against torch's
-own ops; PackedLinear: oneDNN's packed fp32 weight, and the float16 or int8 copy that steps of few rows read; and
+own ops; PackedLinear: oneDNN's packed weight or the AMX build's bfloat16 tiles, and the float16 or int8 copy that
+steps of few rows read; and
 a step of decodes run through all the layers in one call against the same step one op at a time."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def test_few_row_steps_read_the_int8_copy_with_a_scale_per_group(kernels):
     linear = nn.Linear(64, 7)
     packed = PackedLinear(linear, kernels, torch.int8, decode_rows=3)
     assert packed.decode_weight.group == INT8_GROUP == 32
-    padded = kernels.int8_block_rows or 9  # the AMX layout pads to its blocks
+    padded = kernels.amx_block_rows or 9  # the AMX layout pads to its blocks
     assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == padded * (64 + 2 * 2)
     groups = linear.weight.view(7, 2, 32)
     scales = (groups.abs().amax(dim=2, keepdim=True) / 127).half().float()
@@ -150,6 +151,73 @@ def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to
     torch.testing.assert_close(output, linear(many), rtol=2e-2, atol=2e-2)  # bfloat16's 8-bit mantissa
     torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8, decode_rows=8)(few),
                                rtol=0, atol=0)
+
+
+def skip_without_bfloat16_tiles(kernels):
+    if not kernels.tiles_bfloat16(64):
+        assert not kernels.amx_block_rows  # only the AMX build has them
+        pytest.skip("bfloat16 tiles are the AMX build's")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 300])  # a short tile, one, one and a row, two passes of rows
+def test_bfloat16_tiles_give_the_float32_sums_of_the_rounded_operands(kernels, rows):
+    skip_without_bfloat16_tiles(kernels)
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(45, 96), torch.randn(45)  # 45: a block of 32 weight rows and a short one
+    x = torch.randn(rows, 96).bfloat16()
+    packed = kernels.pack_bfloat16(weight)
+    out = kernels.linear_bfloat16(x, packed, bias, torch.float32)
+    expected = x.double() @ weight.bfloat16().double().T + bias.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(kernels.linear_bfloat16(x, packed, bias, torch.bfloat16), out.bfloat16())
+    torch.testing.assert_close(kernels.linear_bfloat16(x, packed, None, torch.float32), out - bias, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_gated_bfloat16_tiles_give_silu_of_each_gate_times_its_up(kernels):
+    skip_without_bfloat16_tiles(kernels)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 96), torch.randn(64)  # 32 gate rows, then their 32 up rows
+    x = torch.randn(37, 96).bfloat16()
+    out = kernels.linear_bfloat16(x, kernels.pack_bfloat16(weight, gated=True), bias, torch.bfloat16)
+    sums = x.double() @ weight.bfloat16().double().T + bias.double()
+    expected = F.silu(sums[:, :32]) * sums[:, 32:]
+    assert out.dtype == torch.bfloat16 and out.shape == (37, 32)
+    torch.testing.assert_close(out.double(), expected, rtol=8e-3, atol=1e-2)  # one rounding to bfloat16
+    with pytest.raises(ValueError, match="multiple of 32 of them"):
+        kernels.pack_bfloat16(torch.randn(48, 96), gated=True)
+    with pytest.raises(ValueError, match="a gated weight: bfloat16"):
+        kernels.linear_bfloat16(x, kernels.pack_bfloat16(weight, gated=True), bias, torch.float32)
+    with pytest.raises(ValueError, match="rows a multiple of 32 wide"):
+        kernels.pack_bfloat16(torch.randn(64, 80))
+    with pytest.raises(ValueError, match="bfloat16 rows 96 wide"):
+        kernels.linear_bfloat16(x.float(), kernels.pack_bfloat16(weight), bias, torch.float32)
+
+
+@torch.inference_mode()
+def test_packed_linears_multiply_steps_of_many_rows_in_bfloat16_tiles(kernels):
+    skip_without_bfloat16_tiles(kernels)
+    torch.manual_seed(0)
+    linear, gate_up = nn.Linear(64, 48), nn.Linear(64, 64)
+    packed = PackedLinear(linear, kernels, torch.int8, torch.bfloat16, decode_rows=8, batched_kernels=kernels)
+    gated = PackedLinear(gate_up, kernels, torch.int8, torch.bfloat16, decode_rows=8, batched_kernels=kernels,
+                         gated=True)
+    assert packed.tiled_weight is not None and packed.packed_weight is None and not packed.gated_tiles
+    assert gated.gated_tiles
+    many, few = torch.randn(9, 64), torch.randn(8, 64)
+    rounded = many.bfloat16()
+    torch.testing.assert_close(packed(many), kernels.linear_bfloat16(rounded, packed.tiled_weight, linear.bias,
+                                                                     torch.float32), rtol=0, atol=0)
+    torch.testing.assert_close(packed(many), linear(many), rtol=2e-2, atol=2e-2)
+    assert packed.product(many).dtype == torch.bfloat16
+    sums = gate_up(many)
+    torch.testing.assert_close(gated.silu_and_mul(many, kernels).float(), F.silu(sums[:, :32]) * sums[:, 32:],
+                               rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(gated.silu_and_mul(few, kernels), kernels.silu_and_mul(gated.product(few)),
+                               rtol=0, atol=0)  # few rows: the decode copy, then the activation
+    with pytest.raises(ValueError, match="through silu_and_mul"):
+        gated.product(many)
 
 
 def test_auto_batched_weights_are_bfloat16_only_where_native_and_never_beside_float32_decode_weights(tiny_model):
@@ -282,7 +350,7 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
 def test_prefill_attention_is_causal_attention_over_the_slots_in_bfloat16(kernels, tokens, prefix, heads, kv_heads,
                                                                           head_dim, rising):
     if not kernels.attends_prefills(heads, kv_heads, head_dim):
-        assert not kernels.int8_block_rows  # only the AMX build has it
+        assert not kernels.amx_block_rows  # only the AMX build has it
         pytest.skip("prefill attention is the AMX build's")
     torch.manual_seed(tokens)
     context, num_slots = tokens + prefix, tokens + prefix + 50

@@ -12,6 +12,10 @@
  * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and steps of many rows multiply in tiles
  * (amx_linear below).
  *
+ * tandem_linear_bf16 (the AMX build): steps of many bfloat16 rows times bfloat16 weights in that layout, in AMX
+ * tiles, the batched path of a model with bfloat16 batched weights; for a gate and up projection, it applies
+ * silu(gate) ⊙ up as it stores the sums.
+ *
  * tandem_decode_attention: one query token per sequence against its context in the paged KV cache,
  * read in place through the sequence's block table: one pass over the keys and values with an online
  * softmax, the query heads that share a key-value head together, and the positions that all the
@@ -163,6 +167,57 @@ static inline __attribute__((always_inline)) void tile_all_rows(
 #undef REMAINING
 }
 
+#ifdef __AVX512F__
+/* e^x for x <= 0, 16 at a time, to exp_nonpositive's precision */
+static inline __m512 exp_nonpositive16(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 silu_and_mul16(__m512 g, __m512 u)
+{
+    /* silu(g) ⊙ u, the sigmoid as silu_and_mul8 (below) takes it */
+    __m512 e = exp_nonpositive16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g),
+                                                                      _mm512_set1_epi32((int)0x80000000))));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
+    return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
+}
+
+static inline __m512 load_sixteen(const void *p, int64_t i, int bf16)
+{
+    if (!bf16)
+        return _mm512_loadu_ps((const float *)p + i);
+    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+}
+
+static inline void store_sixteen(void *p, int64_t i, __m512 v, int bf16)
+{
+    if (!bf16) {
+        _mm512_storeu_ps((float *)p + i, v);
+        return;
+    }
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bits));
+}
+#endif
+
 #ifdef __AMX_BF16__
 /* The AMX build's int8 weights: AMX tiles multiply bfloat16 and accumulate float32, 16 rows × 16 columns
  * × 32 products per instruction, so a step of many rows costs little more than one of a single row: the
@@ -185,7 +240,7 @@ static inline __attribute__((always_inline)) void tile_all_rows(
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-int tandem_linear_int8_block_rows(void)
+int tandem_linear_amx_block_rows(void)
 {
     return AMX_ROWS * AMX_BLOCKS;
 }
@@ -382,6 +437,110 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
         }
     }
     free(xb);
+}
+
+/* Rows of x per pass of tandem_linear_bf16 over a thread's share of the weights: the rows and that share stay in
+ * the thread's L2 cache through the pass. A multiple of 2 · AMX_ROWS. */
+#define BF16_ROW_CHUNK 256
+
+/* Rows first..first+count-1 of y [rows, n_size], columns n..n+columns-1 (columns <= 32), from a tile pair's sums
+ * [16][32], plus bias; float32, or bfloat16 rounded to nearest even where y_bf16. Where gated, the pair's columns
+ * are 16 gates and their 16 ups, and y [rows, n_size / 2] takes silu(gate) ⊙ up in bfloat16 at column n / 2. */
+static inline void store_tile_pair(const float sums[][AMX_ROWS * AMX_BLOCKS], int64_t count, int columns,
+                                   const float *bias, void *y, int64_t n_size, int64_t first, int64_t n, int y_bf16,
+                                   int gated)
+{
+    __mmask16 low = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);
+    __mmask16 high = columns <= 16 ? 0 : (__mmask16)((1u << (columns - 16)) - 1);
+    __m512 bias_low = bias ? _mm512_maskz_loadu_ps(low, bias + n) : _mm512_setzero_ps();
+    __m512 bias_high = bias ? _mm512_maskz_loadu_ps(high, bias + n + 16) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < count; r++) {
+        __m512 v_low = _mm512_add_ps(_mm512_load_ps(sums[r]), bias_low);
+        __m512 v_high = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), bias_high);
+        if (gated) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (first + r) * (n_size / 2) + n / 2),
+                                (__m256i)_mm512_cvtneps_pbh(silu_and_mul16(v_low, v_high)));
+            continue;
+        }
+        int64_t at = (first + r) * n_size + n;
+        if (y_bf16) {
+            _mm256_mask_storeu_epi16((uint16_t *)y + at, low, (__m256i)_mm512_cvtneps_pbh(v_low));
+            _mm256_mask_storeu_epi16((uint16_t *)y + at + 16, high, (__m256i)_mm512_cvtneps_pbh(v_high));
+        } else {
+            _mm512_mask_storeu_ps((float *)y + at, low, v_low);
+            _mm512_mask_storeu_ps((float *)y + at + 16, high, v_high);
+        }
+    }
+}
+
+/* y = x · wᵀ (+ bias) for bfloat16 rows x [rows, k_size] (k_size a multiple of 32) and bfloat16 weights w in the
+ * int8 layout above (blocks of 32 weight rows, each group of 32 columns as two tiles of [16 column pairs][16
+ * rows][2]), in AMX tiles with float32 sums: each thread takes blocks of 32 weight rows and multiplies them by
+ * 32 rows of x at a time (four sum tiles), BF16_ROW_CHUNK rows per pass. bias [n_size] float32 or NULL; y [rows,
+ * n_size] float32, or bfloat16 where y_bf16; or, where gated (each block of w 16 gate rows and their 16 up rows, n_size
+ * a multiple of 32), y [rows, n_size / 2] = silu(gate) ⊙ up, bfloat16. oneDNN's kernels for these shapes vary by up
+ * to 2x with the number of rows (they block them by heuristics); these run at one rate for every count. */
+void tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const uint16_t *w, int64_t n_size,
+                        const float *bias, void *y, int y_bf16, int gated, int threads)
+{
+    int64_t full_rows = rows / AMX_ROWS * AMX_ROWS, depth = k_size / 32;
+    int64_t passes = (n_size + AMX_ROWS * AMX_BLOCKS - 1) / (AMX_ROWS * AMX_BLOCKS);
+    uint16_t *tail = NULL; /* the last rows, short of a tile, padded with zeros */
+    if (full_rows < rows) {
+        tail = aligned_alloc(64, AMX_ROWS * k_size * 2);
+        memset(tail, 0, AMX_ROWS * k_size * 2);
+        memcpy(tail, x + full_rows * k_size, (rows - full_rows) * k_size * 2);
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        __attribute__((aligned(64))) float sums[AMX_ROWS][AMX_ROWS * AMX_BLOCKS];
+        configure_tiles();
+        for (int64_t chunk = 0; chunk < rows; chunk += BF16_ROW_CHUNK) {
+            int64_t chunk_end = rows - chunk < BF16_ROW_CHUNK ? rows : chunk + BF16_ROW_CHUNK;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < passes; p++) {
+                int64_t n = p * AMX_ROWS * AMX_BLOCKS;
+                int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
+                const uint16_t *wp = w + n * k_size;
+                for (int64_t m = chunk; m < chunk_end; m += 2 * AMX_ROWS) {
+                    int second = m + AMX_ROWS < chunk_end;
+                    const uint16_t *first_rows = m < full_rows ? x + m * k_size : tail;
+                    const uint16_t *second_rows = m + AMX_ROWS < full_rows ? x + (m + AMX_ROWS) * k_size : tail;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(5);
+                    _tile_zero(6);
+                    for (int64_t g = 0; g < depth; g++) {
+                        if (m == chunk && p + 1 < passes) /* the next block's weights, while these rows pass */
+                            for (int line = 0; line < AMX_BLOCKS * 1024; line += 64)
+                                _mm_prefetch((const char *)(wp + AMX_ROWS * AMX_BLOCKS * k_size + g * AMX_BLOCKS * 512)
+                                             + line, _MM_HINT_T1);
+                        _tile_loadd(2, first_rows + g * 32, k_size * 2);
+                        _tile_loadd(3, wp + g * AMX_BLOCKS * 512, 64);
+                        _tile_dpbf16ps(0, 2, 3);
+                        _tile_loadd(4, wp + g * AMX_BLOCKS * 512 + 512, 64);
+                        _tile_dpbf16ps(1, 2, 4);
+                        if (second) {
+                            _tile_loadd(7, second_rows + g * 32, k_size * 2);
+                            _tile_dpbf16ps(5, 7, 3);
+                            _tile_dpbf16ps(6, 7, 4);
+                        }
+                    }
+                    _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
+                    _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+                    store_tile_pair(sums, chunk_end - m < AMX_ROWS ? chunk_end - m : AMX_ROWS, columns, bias, y,
+                                    n_size, m, n, y_bf16, gated);
+                    if (second) {
+                        _tile_stored(5, sums, AMX_ROWS * AMX_BLOCKS * 4);
+                        _tile_stored(6, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+                        int64_t count = chunk_end - m - AMX_ROWS < AMX_ROWS ? chunk_end - m - AMX_ROWS : AMX_ROWS;
+                        store_tile_pair(sums, count, columns, bias, y, n_size, m + AMX_ROWS, n, y_bf16, gated);
+                    }
+                }
+            }
+        }
+    }
+    free(tail);
 }
 
 /* Causal attention of a prefill chunk in AMX tiles, flash style, in two passes for each query head and block
@@ -721,7 +880,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
 #undef SCORE_KEYS
 #undef VALUE_COLUMNS
 #else
-int tandem_linear_int8_block_rows(void)
+int tandem_linear_amx_block_rows(void)
 {
     return 0;
 }
@@ -1238,57 +1397,6 @@ void tandem_rms_norm_bf16(const float *x, float *residual, const float *weight, 
 {
     rms_norm_rows(x, residual, weight, rows, size, eps, out, threads, 1);
 }
-
-#ifdef __AVX512F__
-/* e^x for x <= 0, 16 at a time, to exp_nonpositive's precision */
-static inline __m512 exp_nonpositive16(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 silu_and_mul16(__m512 g, __m512 u)
-{
-    /* as silu_and_mul8 */
-    __m512 e = exp_nonpositive16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g),
-                                                                      _mm512_set1_epi32((int)0x80000000))));
-    __m512 one = _mm512_set1_ps(1.0f);
-    __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e));
-    return _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), u);
-}
-
-static inline __m512 load_sixteen(const void *p, int64_t i, int bf16)
-{
-    if (!bf16)
-        return _mm512_loadu_ps((const float *)p + i);
-    __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-}
-
-static inline void store_sixteen(void *p, int64_t i, __m512 v, int bf16)
-{
-    if (!bf16) {
-        _mm512_storeu_ps((float *)p + i, v);
-        return;
-    }
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(bits));
-}
-#endif
 
 /* out [rows, size] = silu(gate) ⊙ up, for gate_up [rows, 2 · size] (gate, then up, in each row), float32; or,
  * where bf16 (a constant at every call site), both bfloat16, computed in float32 and rounded back. */

@@ -4,6 +4,8 @@
   scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), packed by ``pack``, in float32
   arithmetic; in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
   with float32 sums;
+- ``linear_bfloat16`` (the AMX build): bfloat16 rows times a bfloat16 weight packed by ``pack_bfloat16``, in
+  AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
 - ``prefill_attention`` (the AMX build): a prefill chunk's causal attention over its context, read from the
   paged cache by slot, in bfloat16 tiles with float32 sums;
@@ -67,12 +69,18 @@ class CpuKernels:
         self._linear.restype = None
         self.tile_rows = c.tandem_linear_tile_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
-        # weight rows per block of the AMX build's int8 layout (0: int8 is tiled as float16 is), and the fewest
-        # rows it multiplies in AMX tiles, in bfloat16 (0: none; fewer rows stay float32)
-        self.int8_block_rows = c.tandem_linear_int8_block_rows()
+        # weight rows per block of the AMX build's int8 and bfloat16 layout (0: no AMX build; int8 is tiled as
+        # float16 is), and the fewest rows it multiplies int8 weights by in AMX tiles, in bfloat16 (0: none; fewer
+        # rows stay float32)
+        self.amx_block_rows = c.tandem_linear_amx_block_rows()
         self.amx_min_rows = c.tandem_linear_amx_min_rows()
-        if self.int8_block_rows and c.tandem_amx_init() != 0:
-            raise OSError("Linux did not grant this process the AMX tile state")
+        self._linear_bf16 = None
+        if self.amx_block_rows:
+            if c.tandem_amx_init() != 0:
+                raise OSError("Linux did not grant this process the AMX tile state")
+            self._linear_bf16 = c.tandem_linear_bf16
+            self._linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            self._linear_bf16.restype = None
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
@@ -109,7 +117,7 @@ class CpuKernels:
         if not self.packs(width, dtype, group):
             raise ValueError(f"pack needs rows a multiple of {self.chunk} wide, and int8 scale groups a multiple of "
                              f"{self.chunk} that divides them; got rows {width} wide, groups of {group}")
-        if dtype == torch.int8 and self.int8_block_rows:
+        if dtype == torch.int8 and self.amx_block_rows:
             return self._pack_int8_blocks(weight, group)
         padded_rows = -(-rows // self.tile_rows) * self.tile_rows
         scales = None
@@ -128,23 +136,73 @@ class CpuKernels:
         return PackedWeight(data, scales, rows, width, group)
 
     def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
-        """The AMX build's int8 layout (see ``amx_linear`` in cpu_kernels.c): blocks of 16 weight rows, each
-        group of 32 columns as [16 column pairs][16 rows][2], and a scale per row and 32 columns."""
+        """The AMX build's int8 layout (``_amx_blocks``), and a scale per row and 32 columns."""
         rows, width = weight.shape
-        padded_rows = -(-rows // self.int8_block_rows) * self.int8_block_rows
         group = group or width
-        padded = torch.zeros(padded_rows, width)
-        padded[:rows] = weight.float()
-        quantized, scales = _quantize_int8(padded.view(padded_rows, width // group, group))
-        passes, per_pass, depth = padded_rows // self.int8_block_rows, self.int8_block_rows // 16, width // 32
-        data = quantized.view(passes, per_pass, 16, depth, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+        padded = self._amx_padded(weight.float())
+        quantized, scales = _quantize_int8(padded.view(len(padded), width // group, group))
+        passes, per_pass, depth = len(padded) // self.amx_block_rows, self.amx_block_rows // 16, width // 32
         per_depth = scales.repeat_interleave(group // 32, dim=1)  # [rows, width / 32]
         scales = per_depth.view(passes, per_pass, 16, depth).permute(0, 3, 1, 2).contiguous()
-        return PackedWeight(data, scales, rows, width, group)
+        return PackedWeight(self._amx_blocks(quantized.view(len(padded), width)), scales, rows, width, group)
+
+    def _amx_padded(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` with rows of zeros up to a whole number of the AMX layout's blocks."""
+        rows, width = weight.shape
+        padded = torch.zeros(-(-rows // self.amx_block_rows) * self.amx_block_rows, width, dtype=weight.dtype)
+        padded[:rows] = weight
+        return padded
+
+    def _amx_blocks(self, padded: torch.Tensor) -> torch.Tensor:
+        """The AMX build's weight layout (see ``amx_linear`` in cpu_kernels.c): blocks of ``amx_block_rows``
+        weight rows, each group of 32 columns as tiles of [16 column pairs][16 rows][2]."""
+        rows, width = padded.shape
+        passes, per_pass, depth = rows // self.amx_block_rows, self.amx_block_rows // 16, width // 32
+        return padded.view(passes, per_pass, 16, depth, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+    def tiles_bfloat16(self, width: int) -> bool:
+        """Whether ``pack_bfloat16`` and ``linear_bfloat16`` take weights of rows ``width`` wide (the AMX build)."""
+        return self._linear_bf16 is not None and width % 32 == 0
+
+    def pack_bfloat16(self, weight: torch.Tensor, gated: bool = False) -> "PackedWeight":
+        """``weight`` [n, k] rounded to bfloat16 in the AMX build's layout, for ``linear_bfloat16``. ``gated``: the
+        weight is a gate projection's rows then its up projection's (n a multiple of 32), and each block of the
+        layout takes 16 gate rows and their 16 up rows, for ``linear_bfloat16(..., gated=True)``."""
+        rows, width = weight.shape
+        if not self.tiles_bfloat16(width) or (gated and rows % 32):
+            raise ValueError(f"pack_bfloat16 needs the AMX build, rows a multiple of 32 wide and, gated, a multiple "
+                             f"of 32 of them; got {rows} rows {width} wide")
+        weight = weight.to(torch.bfloat16)
+        if gated:
+            weight = weight.view(2, rows // 32, 16, width).transpose(0, 1).reshape(rows, width)
+        return PackedWeight(self._amx_blocks(self._amx_padded(weight)), None, rows, width, gated=gated)
+
+    def linear_bfloat16(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """``x · weightᵀ + bias`` for bfloat16 rows ``x`` [rows, k] and ``weight`` from ``pack_bfloat16``, in AMX
+        tiles with float32 sums; ``out_dtype`` float32 or bfloat16 (rounded to nearest even). For a gated
+        ``weight``, silu(gate) ⊙ up of those sums [rows, n / 2] instead, in bfloat16; ``bias`` then in the
+        weight's rows' order (gate, then up)."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.in_features:
+            raise ValueError(f"linear_bfloat16 needs bfloat16 rows {weight.in_features} wide, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+        if out_dtype not in (torch.float32, torch.bfloat16) or (weight.gated and out_dtype != torch.bfloat16):
+            raise ValueError(f"linear_bfloat16 writes float32 or bfloat16 (a gated weight: bfloat16), not {out_dtype}")
+        if bias is not None:
+            _check_float32(bias)
+            if weight.gated:
+                bias = bias.view(2, -1, 16).transpose(0, 1).contiguous()
+        x = x.contiguous()
+        columns = weight.out_features // 2 if weight.gated else weight.out_features
+        out = torch.empty(x.shape[0], columns, dtype=out_dtype)
+        self._linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.out_features,
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), out_dtype == torch.bfloat16,
+                          weight.gated, torch.get_num_threads())
+        return out
 
     def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:
         """Whether ``pack`` takes a weight of rows ``width`` wide into ``dtype`` (int8 in scale groups of ``group``)."""
-        step = 32 if dtype == torch.int8 and self.int8_block_rows else self.chunk
+        step = 32 if dtype == torch.int8 and self.amx_block_rows else self.chunk
         return width % step == 0 and (dtype != torch.int8 or group is None
                                       or (group % step == 0 and width % group == 0))
 
@@ -261,7 +319,7 @@ class CpuKernels:
 
     def attends_prefills(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``prefill_attention`` runs here (the AMX build) for this head layout."""
-        return bool(self.int8_block_rows) and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+        return bool(self.amx_block_rows) and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           scale: float, out: torch.Tensor) -> None:
@@ -298,6 +356,7 @@ class PackedWeight:
     out_features: int
     in_features: int
     group: int | None = None
+    gated: bool = False  # bfloat16 in the AMX layout, 16 gate rows and their 16 up rows a block
 
     @property
     def dtype(self) -> torch.dtype:

@@ -195,7 +195,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
-            return self.down_proj(self.cpu_kernels.silu_and_mul(self.gate_up_proj.product(x)))
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.cpu_kernels))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -322,7 +322,9 @@ class CausalLM(nn.Module):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
                     packs = usable and decode_dtype is not None and kernels.packs(child.in_features, decode_dtype)
-                    setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype, batched_dtype))
+                    setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype, batched_dtype,
+                                                       batched_kernels=kernels,
+                                                       gated=usable and name == "gate_up_proj"))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
             if isinstance(module, Attention):
@@ -370,39 +372,63 @@ class CausalLM(nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight oneDNN reordered once, for CPU matmuls.
+    """A linear layer whose weight is laid out once for CPU matmuls.
 
     A decode step multiplies every weight matrix by only a handful of rows. Plain BLAS repacks the
     weight on every call, which costs about as much as the multiply; the pre-reordered weight makes
-    these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. The reordered
-    weight is float32, or ``batched_dtype`` bfloat16, multiplied by the rows rounded to bfloat16 with
-    float32 accumulation. With ``decode_kernels``, steps of at most ``decode_rows`` rows multiply by a copy
-    of the weight in ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their
-    ``linear`` instead, in float32 arithmetic: there the multiply is bound by reading the weights, and the
-    copy has half or a quarter of the bytes.
+    these matmuls 1.3-2x faster on AVX2 CPUs, and is no slower for large prefill chunks. The batched weight is
+    float32, reordered for oneDNN, or ``batched_dtype`` bfloat16, multiplied by the rows rounded to bfloat16 with
+    float32 sums: in AMX tiles through ``batched_kernels`` where they take it (the AMX build), else reordered for
+    oneDNN. With ``decode_kernels``, steps of at most ``decode_rows`` rows multiply by a copy of the weight in
+    ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their ``linear`` instead, in
+    float32 arithmetic: there the multiply is bound by reading the weights, and the copy has half or a quarter of
+    the bytes.
     """
 
     def __init__(self, linear: nn.Linear, decode_kernels: CpuKernels | None = None,
                  decode_dtype: torch.dtype | None = torch.float16, batched_dtype: torch.dtype = torch.float32,
-                 decode_rows: int = 0):
+                 decode_rows: int = 0, batched_kernels: CpuKernels | None = None, gated: bool = False):
         super().__init__()
         self.decode_rows = decode_rows
         weight = linear.weight.detach()
         self.batched_dtype = batched_dtype
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(batched_dtype), 8)
+        tiles = batched_dtype == torch.bfloat16 and batched_kernels is not None \
+            and batched_kernels.tiles_bfloat16(linear.in_features)
+        self.batched_kernels = batched_kernels if tiles else None
+        # a gate projection's rows then its up projection's, multiplied and activated in one pass over the tiles
+        self.gated_tiles = tiles and gated and linear.out_features % 32 == 0
+        self.tiled_weight = batched_kernels.pack_bfloat16(weight, self.gated_tiles) if tiles else None
+        self.packed_weight = None if tiles else torch.ops.mkldnn._reorder_linear_weight(weight.to(batched_dtype), 8)
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.out_features = linear.out_features
         self.decode_kernels = decode_kernels if decode_dtype is not None else None
         self.decode_weight = None if self.decode_kernels is None else self.decode_kernels.pack(weight, decode_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` in float32."""
+        if self.tiled_weight is not None and not self.gated_tiles and x.shape[0] > self.decode_rows:
+            return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias,
+                                                        torch.float32)
         return self.product(x).float()
 
+    def silu_and_mul(self, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
+        """silu(gate) ⊙ up of ``x``'s projections by this layer, a gate projection's rows then its up projection's:
+        in one pass where the step multiplies the gated tiles, else ``kernels.silu_and_mul`` of ``product``."""
+        if self.gated_tiles and x.shape[0] > self.decode_rows:
+            return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias,
+                                                        torch.bfloat16)
+        return kernels.silu_and_mul(self.product(x))
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T + bias``: in bfloat16 where the step multiplies bfloat16 batched weights without a
-        bias, else in float32. ``x`` may be bfloat16 there too."""
+        """``x @ weight.T + bias``: in bfloat16 where the step multiplies bfloat16 batched weights (in AMX tiles, or
+        without a bias), else in float32. ``x`` may be bfloat16 there too."""
         if self.decode_kernels is not None and x.shape[0] <= self.decode_rows:
             return self.decode_kernels.linear(x, self.decode_weight, self.bias)
+        if self.tiled_weight is not None:
+            if self.gated_tiles:
+                raise ValueError("the rows of a step this large take a gated layer through silu_and_mul")
+            return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias,
+                                                        torch.bfloat16)
         if self.batched_dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.batched_dtype), self.packed_weight, None, "none", [], "")
