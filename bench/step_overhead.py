@@ -13,13 +13,13 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from trees import ROOT, measure_in
+
 RESULTS = ROOT / "bench" / "results"
 BURST = dict(requests=16, prompt_tokens=40, max_new_tokens=64)
 
@@ -67,14 +67,6 @@ def measure(model_dir: str, bursts: int) -> dict:
             "ms_per_step_best": min(timed), "ms_per_step_median": statistics.median(timed)}
 
 
-def run_in(tree: Path, model_dir: str, bursts: int) -> dict:
-    code = f"import json, bench.step_overhead as b; print(json.dumps(b.measure({model_dir!r}, {bursts})))"
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
-    # -P: the working directory does not shadow PYTHONPATH; this file is imported from ROOT, the engine from ``tree``.
-    out = subprocess.run([sys.executable, "-P", "-c", code], env=env, check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bursts", type=int, default=8)
@@ -90,7 +82,7 @@ def main() -> int:
         runs = {str(tree): [] for tree in trees}
         for _ in range(args.rounds):
             for tree in trees:
-                runs[str(tree)].append(run_in(tree, model_dir, args.bursts))
+                runs[str(tree)].append(measure_in(tree, "step_overhead", f"m.measure({model_dir!r}, {args.bursts})"))
     report = {"burst": BURST, "trees": {tree: {
         "engine_calls_per_step": measured[0]["engine_calls_per_step"],
         "all_calls_per_step": measured[0]["all_calls_per_step"],

@@ -4,7 +4,8 @@
 the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), int8 through
 the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default; per 32
 columns through each narrower build too: AVX-512 and AVX2 on an AMX CPU), bf16
-through F.linear, and int8 through torch's int8 kernel.
+through F.linear and, in the AMX build, through Tandem's tiles (the batched path there), and int8 through
+torch's int8 kernel.
 
 It reports the most rows at which the default format (int8 in groups of ``INT8_GROUP``) beats packed fp32.
 Then whole decode steps of the default model: 1 to 64 rows on the int8 decode copy through the one-call
@@ -62,6 +63,7 @@ def main() -> None:
     int8_narrower = {other: [other.pack(w, torch.int8) for w in weights] for other in narrower}
     int8_kernel = {group: [kernels.pack(w, torch.int8, group) for w in weights] for group in INT8_GROUPS}
     bf16 = [w.bfloat16() for w in weights]
+    bf16_tiles = [kernels.pack_bfloat16(w) for w in weights] if kernels.tiles_bfloat16(LAYER[0][1]) else []
     scales = [w.abs().amax(1) / 127 for w in weights]
     int8 = [torch.round(w / s[:, None]).to(torch.int8) for w, s in zip(weights, scales)]
     report = {"threads": args.threads, "weight_bytes_fp32": sum(w.numel() * 4 for w in weights), "isa": kernels.isa,
@@ -83,6 +85,8 @@ def main() -> None:
                lambda other=other: [other.linear(inputs[w.in_features], w, None) for w in int8_narrower[other]]
                for other in narrower},
             "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
+            **({"bf16_tiles": lambda: [kernels.linear_bfloat16(inputs[w.in_features].bfloat16(), w, None, torch.float32)
+                                       for w in bf16_tiles]} if bf16_tiles else {}),
             "int8": lambda: [torch._weight_int8pack_mm(inputs[s[1]], w, scale) for w, s, scale in zip(int8, shapes, scales)],
         }
         report["ms_per_step"][rows] = {name: timed_ms(step, args.repeats) for name, step in formats.items()}
