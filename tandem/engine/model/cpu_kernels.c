@@ -479,15 +479,18 @@ static inline void store_tile_pair(const float sums[][AMX_ROWS * AMX_BLOCKS], in
  * 32 rows of x at a time (four sum tiles), BF16_ROW_CHUNK rows per pass. bias [n_size] float32 or NULL; y [rows,
  * n_size] float32, or bfloat16 where y_bf16; or, where gated (each block of w 16 gate rows and their 16 up rows, n_size
  * a multiple of 32), y [rows, n_size / 2] = silu(gate) ⊙ up, bfloat16. oneDNN's kernels for these shapes vary by up
- * to 2x with the number of rows (they block them by heuristics); these run at one rate for every count. */
-void tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const uint16_t *w, int64_t n_size,
-                        const float *bias, void *y, int y_bf16, int gated, int threads)
+ * to 2x with the number of rows (they block them by heuristics); these run at one rate for every count. Returns 0,
+ * or -2, computing nothing, where its working memory could not be allocated. */
+int tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const uint16_t *w, int64_t n_size,
+                       const float *bias, void *y, int y_bf16, int gated, int threads)
 {
     int64_t full_rows = rows / AMX_ROWS * AMX_ROWS, depth = k_size / 32;
     int64_t passes = (n_size + AMX_ROWS * AMX_BLOCKS - 1) / (AMX_ROWS * AMX_BLOCKS);
     uint16_t *tail = NULL; /* the last rows, short of a tile, padded with zeros */
     if (full_rows < rows) {
         tail = aligned_alloc(64, AMX_ROWS * k_size * 2);
+        if (!tail)
+            return -2;
         memset(tail, 0, AMX_ROWS * k_size * 2);
         memcpy(tail, x + full_rows * k_size, (rows - full_rows) * k_size * 2);
     }
@@ -541,6 +544,7 @@ void tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const u
         }
     }
     free(tail);
+    return 0;
 }
 
 /* Causal attention of a prefill chunk in AMX tiles, flash style, in two passes for each query head and block

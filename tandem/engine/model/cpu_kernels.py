@@ -80,7 +80,7 @@ class CpuKernels:
                 raise OSError("Linux did not grant this process the AMX tile state")
             self._linear_bf16 = c.tandem_linear_bf16
             self._linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            self._linear_bf16.restype = None
+            self._linear_bf16.restype = ctypes.c_int
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
@@ -195,9 +195,11 @@ class CpuKernels:
         x = x.contiguous()
         columns = weight.out_features // 2 if weight.gated else weight.out_features
         out = torch.empty(x.shape[0], columns, dtype=out_dtype)
-        self._linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.out_features,
-                          None if bias is None else bias.data_ptr(), out.data_ptr(), out_dtype == torch.bfloat16,
-                          weight.gated, torch.get_num_threads())
+        status = self._linear_bf16(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.out_features,
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   out_dtype == torch.bfloat16, weight.gated, torch.get_num_threads())
+        if status:
+            raise MemoryError("linear_bfloat16 could not allocate its working memory")
         return out
 
     def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:

@@ -407,16 +407,14 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` in float32."""
         if self.tiled_weight is not None and not self.gated_tiles and x.shape[0] > self.decode_rows:
-            return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias,
-                                                        torch.float32)
+            return self._in_tiles(x, torch.float32)
         return self.product(x).float()
 
     def silu_and_mul(self, x: torch.Tensor, kernels: CpuKernels) -> torch.Tensor:
         """silu(gate) ⊙ up of ``x``'s projections by this layer, a gate projection's rows then its up projection's:
         in one pass where the step multiplies the gated tiles, else ``kernels.silu_and_mul`` of ``product``."""
         if self.gated_tiles and x.shape[0] > self.decode_rows:
-            return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias,
-                                                        torch.bfloat16)
+            return self._in_tiles(x, torch.bfloat16)
         return kernels.silu_and_mul(self.product(x))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -427,9 +425,11 @@ class PackedLinear(nn.Module):
         if self.tiled_weight is not None:
             if self.gated_tiles:
                 raise ValueError("the rows of a step this large take a gated layer through silu_and_mul")
-            return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias,
-                                                        torch.bfloat16)
+            return self._in_tiles(x, torch.bfloat16)
         if self.batched_dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.batched_dtype), self.packed_weight, None, "none", [], "")
         return y if self.bias is None else y.float() + self.bias
+
+    def _in_tiles(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return self.batched_kernels.linear_bfloat16(x.to(torch.bfloat16), self.tiled_weight, self.bias, out_dtype)
