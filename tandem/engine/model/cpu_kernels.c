@@ -346,13 +346,34 @@ static inline __attribute__((always_inline)) void few_rows_pass(
             }
 }
 
-/* The first `columns` sums of a pass's rows m < rows (of `stride` floats each) into y from column n, plus bias. */
-static inline void store_pass(const float *sums, int64_t stride, int64_t rows, int columns, const float *bias,
-                              float *y, int64_t n_size, int64_t n)
+/* Rows first..first+count-1 of y [rows, n_size], columns n..n+columns-1 (columns <= 32), from a pass's sums
+ * [count][32] (a tile pair's, or few_rows_pass's), plus bias; float32, or bfloat16 rounded to nearest even where y_bf16. Where gated, the pair's columns
+ * are 16 gates and their 16 ups, and y [rows, n_size / 2] takes silu(gate) ⊙ up in bfloat16 at column n / 2. */
+static inline void store_tile_pair(const float sums[][AMX_ROWS * AMX_BLOCKS], int64_t count, int columns,
+                                   const float *bias, void *y, int64_t n_size, int64_t first, int64_t n, int y_bf16,
+                                   int gated)
 {
-    for (int64_t r = 0; r < rows; r++)
-        for (int c = 0; c < columns; c++)
-            y[r * n_size + n + c] = bias ? sums[r * stride + c] + bias[n + c] : sums[r * stride + c];
+    __mmask16 low = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);
+    __mmask16 high = columns <= 16 ? 0 : (__mmask16)((1u << (columns - 16)) - 1);
+    __m512 bias_low = bias ? _mm512_maskz_loadu_ps(low, bias + n) : _mm512_setzero_ps();
+    __m512 bias_high = bias ? _mm512_maskz_loadu_ps(high, bias + n + 16) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < count; r++) {
+        __m512 v_low = _mm512_add_ps(_mm512_load_ps(sums[r]), bias_low);
+        __m512 v_high = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), bias_high);
+        if (gated) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (first + r) * (n_size / 2) + n / 2),
+                                (__m256i)_mm512_cvtneps_pbh(silu_and_mul16(v_low, v_high)));
+            continue;
+        }
+        int64_t at = (first + r) * n_size + n;
+        if (y_bf16) {
+            _mm256_mask_storeu_epi16((uint16_t *)y + at, low, (__m256i)_mm512_cvtneps_pbh(v_low));
+            _mm256_mask_storeu_epi16((uint16_t *)y + at + 16, high, (__m256i)_mm512_cvtneps_pbh(v_high));
+        } else {
+            _mm512_mask_storeu_ps((float *)y + at, low, v_low);
+            _mm512_mask_storeu_ps((float *)y + at + 16, high, v_high);
+        }
+    }
 }
 
 static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_t *w, const uint16_t *scales,
@@ -367,7 +388,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
         for (int64_t p = 0; p < passes; p++) {
             int64_t n = p * AMX_ROWS * AMX_BLOCKS;
             int columns = n_size - n < AMX_ROWS * AMX_BLOCKS ? (int)(n_size - n) : AMX_ROWS * AMX_BLOCKS;
-            float sums[AMX_MIN_ROWS - 1][32];
+            __attribute__((aligned(64))) float sums[AMX_MIN_ROWS - 1][AMX_ROWS * AMX_BLOCKS];
             const int8_t *wp = w + n * k_size;
             const uint16_t *sp = scales + n * groups;
             switch (rows) {
@@ -375,7 +396,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
             case 2: few_rows_pass(x, 2, k_size, wp, sp, sums); break;
             default: few_rows_pass(x, 3, k_size, wp, sp, sums); break;
             }
-            store_pass(&sums[0][0], 32, rows, columns, bias, y, n_size, n);
+            store_tile_pair(sums, rows, columns, bias, y, n_size, 0, n, 0, 0);
         }
         return;
     }
@@ -430,8 +451,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
                         _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
                     }
                     int64_t rows_here = rows - first < AMX_ROWS ? rows - first : AMX_ROWS;
-                    store_pass(&sums[0][0], AMX_ROWS * AMX_BLOCKS, rows_here, columns, bias, y + first * n_size,
-                               n_size, n);
+                    store_tile_pair(sums, rows_here, columns, bias, y, n_size, first, n, 0, 0);
                 }
             }
         }
@@ -442,36 +462,6 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
 /* Rows of x per pass of tandem_linear_bf16 over a thread's share of the weights: the rows and that share stay in
  * the thread's L2 cache through the pass. A multiple of 2 · AMX_ROWS. */
 #define BF16_ROW_CHUNK 256
-
-/* Rows first..first+count-1 of y [rows, n_size], columns n..n+columns-1 (columns <= 32), from a tile pair's sums
- * [16][32], plus bias; float32, or bfloat16 rounded to nearest even where y_bf16. Where gated, the pair's columns
- * are 16 gates and their 16 ups, and y [rows, n_size / 2] takes silu(gate) ⊙ up in bfloat16 at column n / 2. */
-static inline void store_tile_pair(const float sums[][AMX_ROWS * AMX_BLOCKS], int64_t count, int columns,
-                                   const float *bias, void *y, int64_t n_size, int64_t first, int64_t n, int y_bf16,
-                                   int gated)
-{
-    __mmask16 low = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);
-    __mmask16 high = columns <= 16 ? 0 : (__mmask16)((1u << (columns - 16)) - 1);
-    __m512 bias_low = bias ? _mm512_maskz_loadu_ps(low, bias + n) : _mm512_setzero_ps();
-    __m512 bias_high = bias ? _mm512_maskz_loadu_ps(high, bias + n + 16) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < count; r++) {
-        __m512 v_low = _mm512_add_ps(_mm512_load_ps(sums[r]), bias_low);
-        __m512 v_high = _mm512_add_ps(_mm512_load_ps(sums[r] + 16), bias_high);
-        if (gated) {
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + (first + r) * (n_size / 2) + n / 2),
-                                (__m256i)_mm512_cvtneps_pbh(silu_and_mul16(v_low, v_high)));
-            continue;
-        }
-        int64_t at = (first + r) * n_size + n;
-        if (y_bf16) {
-            _mm256_mask_storeu_epi16((uint16_t *)y + at, low, (__m256i)_mm512_cvtneps_pbh(v_low));
-            _mm256_mask_storeu_epi16((uint16_t *)y + at + 16, high, (__m256i)_mm512_cvtneps_pbh(v_high));
-        } else {
-            _mm512_mask_storeu_ps((float *)y + at, low, v_low);
-            _mm512_mask_storeu_ps((float *)y + at + 16, high, v_high);
-        }
-    }
-}
 
 /* y = x · wᵀ (+ bias) for bfloat16 rows x [rows, k_size] (k_size a multiple of 32) and bfloat16 weights w in the
  * int8 layout above (blocks of 32 weight rows, each group of 32 columns as two tiles of [16 column pairs][16
@@ -629,6 +619,34 @@ static inline __attribute__((always_inline)) int softmax_block(
     return moved;
 }
 
+/* rows[i] lane j to rows[j] lane i, for 16 vectors of 16 four-byte lanes: pairs interleaved, then quads, then
+ * the 128-bit quarters twice. */
+static inline void transpose_lanes(__m512i rows[16])
+{
+    __m512i pairs[16], quads[16];
+    for (int i = 0; i < 16; i += 2) {
+        pairs[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        pairs[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        quads[i] = _mm512_unpacklo_epi64(pairs[i], pairs[i + 2]);
+        quads[i + 1] = _mm512_unpackhi_epi64(pairs[i], pairs[i + 2]);
+        quads[i + 2] = _mm512_unpacklo_epi64(pairs[i + 1], pairs[i + 3]);
+        quads[i + 3] = _mm512_unpackhi_epi64(pairs[i + 1], pairs[i + 3]);
+    }
+    /* quads[4a + j], quarter q: rows 4a..4a+3 of lane 4q + j */
+    for (int j = 0; j < 4; j++) {
+        __m512i even_low = _mm512_shuffle_i32x4(quads[j], quads[4 + j], 0x88);
+        __m512i odd_low = _mm512_shuffle_i32x4(quads[j], quads[4 + j], 0xdd);
+        __m512i even_high = _mm512_shuffle_i32x4(quads[8 + j], quads[12 + j], 0x88);
+        __m512i odd_high = _mm512_shuffle_i32x4(quads[8 + j], quads[12 + j], 0xdd);
+        rows[j] = _mm512_shuffle_i32x4(even_low, even_high, 0x88);
+        rows[8 + j] = _mm512_shuffle_i32x4(even_low, even_high, 0xdd);
+        rows[4 + j] = _mm512_shuffle_i32x4(odd_low, odd_high, 0x88);
+        rows[12 + j] = _mm512_shuffle_i32x4(odd_low, odd_high, 0xdd);
+    }
+}
+
 /* The chunk's queries and its context's keys and values, rounded to bfloat16 in the tiles' orders:
  * q [heads][padded tokens][head_dim]; k [kv_heads][padded context / 16][head_dim / 32][16 column pairs]
  * [16 keys][2]; v [kv_heads][padded context / 32][head_dim / 16][16 key pairs][16 columns][2]. Padding is
@@ -639,9 +657,6 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
                                uint16_t *q, uint16_t *k, uint16_t *v, int threads)
 {
     int64_t kv_size = num_kv_heads * head_dim;
-    /* a tile row (16 keys' column pair) is 16 four-byte lanes */
-    const __m512i pair_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                 _mm512_set1_epi32(16));
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 #pragma omp parallel num_threads(threads)
@@ -656,17 +671,22 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
                     _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(values));
                 }
             }
-        /* keys: per key and 32 columns, 16 column pairs of 4 bytes, 16 keys apart */
-#pragma omp for schedule(static) nowait
-        for (int64_t c = 0; c < padded_context; c++)
+        /* keys: per 16 keys and 32 columns, each key's 16 column pairs of 4 bytes, transposed */
+#pragma omp for schedule(static) collapse(2) nowait
+        for (int64_t c0 = 0; c0 < padded_context; c0 += 16)
             for (int64_t h = 0; h < num_kv_heads; h++) {
-                const float *key = c < context ? k_cache + slots[c] * kv_size + h * head_dim : NULL;
-                uint16_t *base = k + ((h * (padded_context / 16) + c / 16) * (head_dim / 32)) * 512 + (c % 16) * 2;
+                uint16_t *base = k + (h * (padded_context / 16) + c0 / 16) * (head_dim / 32) * 512;
                 for (int64_t d = 0; d < head_dim; d += 32) {
-                    __m512i pairs = key ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(key + d + 16),
-                                                                       _mm512_loadu_ps(key + d))
-                                        : _mm512_setzero_si512();
-                    _mm512_i32scatter_epi32(base + d / 32 * 512, pair_rows, pairs, 4);
+                    __m512i pairs[16];
+                    for (int i = 0; i < 16; i++) {
+                        const float *key = c0 + i < context ? k_cache + slots[c0 + i] * kv_size + h * head_dim + d
+                                                            : NULL;
+                        pairs[i] = key ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(key + 16), _mm512_loadu_ps(key))
+                                       : _mm512_setzero_si512();
+                    }
+                    transpose_lanes(pairs);
+                    for (int pair = 0; pair < 16; pair++)
+                        _mm512_storeu_si512(base + d / 32 * 512 + pair * 32, pairs[pair]);
                 }
             }
         /* values: per pair of keys and 16 columns, the 32 values interleaved key by key */
