@@ -430,16 +430,19 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
                         _mm_prefetch((const char *)wg + AMX_PREFETCH_BYTES + line, _MM_HINT_T0);
                     for (int b = 0; b < AMX_BLOCKS; b++)
                         widen_group(wg + b * 512, sp + (g * AMX_BLOCKS + b) * 16, widened[b]);
+                    /* each weight tile's products one after the other, so that the next group's load into it
+                     * waits on as few as may be */
                     _tile_loadd(2, xb + m * k_size + g * 32, k_size * 2);
                     _tile_loadd(3, widened[0], 64);
-                    _tile_loadd(4, widened[1], 64);
                     _tile_dpbf16ps(0, 2, 3);
-                    _tile_dpbf16ps(1, 2, 4);
                     if (second) {
                         _tile_loadd(7, xb + (m + AMX_ROWS) * k_size + g * 32, k_size * 2);
                         _tile_dpbf16ps(5, 7, 3);
-                        _tile_dpbf16ps(6, 7, 4);
                     }
+                    _tile_loadd(4, widened[1], 64);
+                    _tile_dpbf16ps(1, 2, 4);
+                    if (second)
+                        _tile_dpbf16ps(6, 7, 4);
                 }
                 for (int half = 0; half <= second; half++) {
                     int64_t first = m + half * AMX_ROWS;
@@ -648,23 +651,25 @@ static inline void transpose_lanes(__m512i rows[16])
 }
 
 /* The chunk's queries and its context's keys and values, rounded to bfloat16 in the tiles' orders:
- * q [heads][padded tokens][head_dim]; k [kv_heads][padded context / 16][head_dim / 32][16 column pairs]
+ * q [kv_heads][padded rows][head_dim], row t · group + j the query of token t and head kv_head · group + j (the
+ * query heads that share a key-value head stacked, so that a chunk of few tokens fills its tiles); k [kv_heads][padded context / 16][head_dim / 32][16 column pairs]
  * [16 keys][2]; v [kv_heads][padded context / 32][head_dim / 16][16 key pairs][16 columns][2]. Padding is
  * zero. Query row t is q_rows + t · q_stride; context position c is slot slots[c] of the caches. */
 static void pack_for_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t tokens, int64_t padded_tokens, int64_t context, int64_t padded_context,
+                               int64_t tokens, int64_t padded_rows, int64_t context, int64_t padded_context,
                                uint16_t *q, uint16_t *k, uint16_t *v, int threads)
 {
-    int64_t kv_size = num_kv_heads * head_dim;
+    int64_t kv_size = num_kv_heads * head_dim, group = num_heads / num_kv_heads;
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static) nowait
-        for (int64_t t = 0; t < padded_tokens; t++)
-            for (int64_t h = 0; h < num_heads; h++) {
-                uint16_t *row = q + (h * padded_tokens + t) * head_dim;
+        for (int64_t r = 0; r < padded_rows; r++)
+            for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+                int64_t t = r / group, h = kv * group + r % group;
+                uint16_t *row = q + (kv * padded_rows + r) * head_dim;
                 for (int64_t d = 0; d < head_dim; d += 16) {
                     __m512 values = t < tokens ? _mm512_loadu_ps(q_rows + t * q_stride + h * head_dim + d)
                                                : _mm512_setzero_ps();
@@ -789,15 +794,15 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
 {
     if (head_dim % 32 || head_dim > ATTENTION_MAX_HEAD_DIM || num_heads % num_kv_heads || context < tokens)
         return -1;
-    int64_t group = num_heads / num_kv_heads, q_blocks = (tokens + AMX_ROWS - 1) / AMX_ROWS;
-    int64_t padded_tokens = q_blocks * AMX_ROWS;
+    int64_t group = num_heads / num_kv_heads, q_rows_per_kv = tokens * group;
+    int64_t q_blocks = (q_rows_per_kv + AMX_ROWS - 1) / AMX_ROWS, padded_rows = q_blocks * AMX_ROWS;
     int64_t padded_context = (context + ATTENTION_KEYS - 1) / ATTENTION_KEYS * ATTENTION_KEYS;
     int64_t key_blocks = padded_context / ATTENTION_KEYS, key_tile_stride = head_dim / 32 * 512;
     int64_t offset = context - tokens;
     float log2_scale = scale * 1.44269504f;
     /* shared: the packed queries, keys and values; each thread's: its probabilities [16][padded context],
      * and each key block's rescale factors [16] and whether any moved */
-    size_t q_count = (size_t)(num_heads * padded_tokens * head_dim), kv_count = (size_t)(num_kv_heads * padded_context * head_dim);
+    size_t q_count = (size_t)(num_kv_heads * padded_rows * head_dim), kv_count = (size_t)(num_kv_heads * padded_context * head_dim);
     size_t p_count = (size_t)(AMX_ROWS * padded_context), thread_bytes = p_count * 2 + (size_t)key_blocks * (AMX_ROWS * 4 + 4);
     thread_bytes = (thread_bytes + 63) / 64 * 64;
     uint16_t *q = scratch((q_count + 2 * kv_count) * 2 + thread_bytes * threads);
@@ -806,7 +811,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
     uint16_t *k = q + q_count, *v = k + kv_count;
     char *thread_memory = (char *)(v + kv_count);
     pack_for_attention(q_rows, q_stride, k_cache, v_cache, slots, num_heads, num_kv_heads, head_dim, tokens,
-                       padded_tokens, context, padded_context, q, k, v, threads);
+                       padded_rows, context, padded_context, q, k, v, threads);
 #pragma omp parallel num_threads(threads)
     {
         __attribute__((aligned(64))) float scores[AMX_ROWS][ATTENTION_KEYS];
@@ -819,15 +824,15 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
         float (*rescale)[AMX_ROWS] = (float (*)[AMX_ROWS])(mine + p_count * 2);
         int32_t *moved = (int32_t *)(mine + p_count * 2 + (size_t)key_blocks * AMX_ROWS * 4);
         configure_attention_tiles();
-        /* head by head, so that the threads read one head's keys and values at a time; in each, the last
-         * blocks, which attend the most keys, first */
+        /* key-value head by key-value head, so that the threads read one head's keys and values at a time; in
+         * each, the last blocks, which attend the most keys, first */
 #pragma omp for schedule(dynamic) collapse(2)
-        for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t kv = 0; kv < num_kv_heads; kv++)
             for (int64_t b = q_blocks - 1; b >= 0; b--) {
-                int64_t row0 = b * AMX_ROWS, kv = h / group;
-                int64_t keys = offset + row0 + AMX_ROWS < context ? offset + row0 + AMX_ROWS : context;
+                int64_t row0 = b * AMX_ROWS, last_rows_token = (row0 + AMX_ROWS - 1) / group;
+                int64_t keys = offset + (last_rows_token < tokens ? last_rows_token : tokens - 1) + 1;
                 int64_t blocks = (keys + ATTENTION_KEYS - 1) / ATTENTION_KEYS;
-                const uint16_t *qh = q + (h * padded_tokens + row0) * head_dim;
+                const uint16_t *qh = q + (kv * padded_rows + row0) * head_dim;
                 const uint16_t *kh = k + kv * padded_context * head_dim, *vh = v + kv * padded_context * head_dim;
                 for (int i = 0; i < AMX_ROWS; i++) {
                     maximum[i] = -INFINITY;
@@ -851,8 +856,10 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                     _tile_stored(3, &scores[0][16], ATTENTION_KEYS * 4);
                     _tile_stored(4, &scores[0][32], ATTENTION_KEYS * 4);
                     _tile_stored(5, &scores[0][48], ATTENTION_KEYS * 4);
-                    for (int i = 0; i < AMX_ROWS; i++)
-                        limits[i] = offset + row0 + i + 1 - first;
+                    for (int i = 0; i < AMX_ROWS; i++) {
+                        int64_t token = (row0 + i) / group;
+                        limits[i] = offset + (token < tokens ? token : tokens - 1) + 1 - first;
+                    }
                     /* the first block's rescaling multiplies nothing */
                     moved[block] = softmax_block(scores, limits, limits[0] >= ATTENTION_KEYS, log2_scale, maximum,
                                                  sums, rescale[block], p + first, padded_context) && block > 0;
@@ -889,9 +896,10 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                         }
                     }
                     store_output_tiles(o, columns);
-                    for (int i = 0; i < AMX_ROWS && row0 + i < tokens; i++) {
+                    for (int i = 0; i < AMX_ROWS && row0 + i < q_rows_per_kv; i++) {
                         __m512 factor = _mm512_set1_ps(inverse[i]);
-                        uint16_t *row = out + ((row0 + i) * num_heads + h) * head_dim + c0 * 16;
+                        int64_t token = (row0 + i) / group, h = kv * group + (row0 + i) % group;
+                        uint16_t *row = out + (token * num_heads + h) * head_dim + c0 * 16;
                         for (int c = 0; c < columns; c++)
                             _mm256_storeu_si256((__m256i *)(row + c * 16),
                                                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor)));
