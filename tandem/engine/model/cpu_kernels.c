@@ -514,13 +514,14 @@ int tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const ui
                         _tile_loadd(2, first_rows + g * 32, k_size * 2);
                         _tile_loadd(3, wp + g * AMX_BLOCKS * 512, 64);
                         _tile_dpbf16ps(0, 2, 3);
-                        _tile_loadd(4, wp + g * AMX_BLOCKS * 512 + 512, 64);
-                        _tile_dpbf16ps(1, 2, 4);
                         if (second) {
                             _tile_loadd(7, second_rows + g * 32, k_size * 2);
                             _tile_dpbf16ps(5, 7, 3);
-                            _tile_dpbf16ps(6, 7, 4);
                         }
+                        _tile_loadd(4, wp + g * AMX_BLOCKS * 512 + 512, 64);
+                        _tile_dpbf16ps(1, 2, 4);
+                        if (second)
+                            _tile_dpbf16ps(6, 7, 4);
                     }
                     _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
                     _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
