@@ -52,7 +52,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> int:
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router, tokenizer, preparation), service.server)
     serve_metrics(config.host, config.metrics_port)
     registry.start([discovery.build(spec, config.discovery) for spec in config.discover])
-    await service.server.start()
+    await service.start()
     http = None
     if config.http_port:
         front_end = OpenAIFrontEnd(router, tokenizer, ServedModel(model_name(config.model), config.served_model_names,

@@ -54,6 +54,12 @@ class GrpcService:
         if bound == 0:
             raise OSError(f"cannot listen on {self.address}")
 
+    async def start(self) -> None:
+        """Serve, health NOT_SERVING until ``set_health`` says otherwise (grpc's health servicer answers SERVING
+        for the whole server until told)."""
+        await self.set_health(False)
+        await self.server.start()
+
     async def set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", self.service_name):

@@ -37,13 +37,12 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     ], tls=config.tls)
     servicer = WorkerServicer(config.kind)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, service.server)
-    await service.set_health(False)
     if config.metrics_port:
         from tandem.worker.metrics import register_engine_state
 
         register_engine_state(lambda: servicer.engine.state() if servicer.engine is not None else None)
         serve_metrics(config.host, config.metrics_port)
-    await service.server.start()
+    await service.start()
     logger.info("%s worker listening on %s; loading the model", config.kind, service.address)
 
     def on_failure(reason: str) -> None:
