@@ -347,8 +347,9 @@ static inline __attribute__((always_inline)) void few_rows_pass(
 }
 
 /* Rows first..first+count-1 of y [rows, n_size], columns n..n+columns-1 (columns <= 32), from a pass's sums
- * [count][32] (a tile pair's, or few_rows_pass's), plus bias; float32, or bfloat16 rounded to nearest even where y_bf16. Where gated, the pair's columns
- * are 16 gates and their 16 ups, and y [rows, n_size / 2] takes silu(gate) ⊙ up in bfloat16 at column n / 2. */
+ * [count][32] (a tile pair's, or few_rows_pass's), plus bias; float32, or bfloat16 rounded to nearest even where
+ * y_bf16. Where gated, the pair's columns are 16 gates and their 16 ups, and y [rows, n_size / 2] takes
+ * silu(gate) ⊙ up in bfloat16 at column n / 2. */
 static inline void store_tile_pair(const float sums[][AMX_ROWS * AMX_BLOCKS], int64_t count, int columns,
                                    const float *bias, void *y, int64_t n_size, int64_t first, int64_t n, int y_bf16,
                                    int gated)
@@ -373,6 +374,26 @@ static inline void store_tile_pair(const float sums[][AMX_ROWS * AMX_BLOCKS], in
             _mm512_mask_storeu_ps((float *)y + at, low, v_low);
             _mm512_mask_storeu_ps((float *)y + at + 16, high, v_high);
         }
+    }
+}
+
+/* The sum tiles of a pass over rows m..m+31 (0, 1: the first 16 rows; 5, 6: the next, where `second`) into y's
+ * rows below `end`, through store_tile_pair and `sums` [16][32]. */
+static inline void store_sum_tiles(float sums[][AMX_ROWS * AMX_BLOCKS], int64_t m, int second, int64_t end,
+                                   int columns, const float *bias, void *y, int64_t n_size, int64_t n, int y_bf16,
+                                   int gated)
+{
+    for (int half = 0; half <= second; half++) {
+        int64_t first = m + half * AMX_ROWS;
+        if (half) {
+            _tile_stored(5, sums, AMX_ROWS * AMX_BLOCKS * 4);
+            _tile_stored(6, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+        } else {
+            _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
+            _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
+        }
+        store_tile_pair(sums, end - first < AMX_ROWS ? end - first : AMX_ROWS, columns, bias, y, n_size, first, n,
+                        y_bf16, gated);
     }
 }
 
@@ -444,18 +465,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
                     if (second)
                         _tile_dpbf16ps(6, 7, 4);
                 }
-                for (int half = 0; half <= second; half++) {
-                    int64_t first = m + half * AMX_ROWS;
-                    if (half) {
-                        _tile_stored(5, sums, AMX_ROWS * AMX_BLOCKS * 4);
-                        _tile_stored(6, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
-                    } else {
-                        _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
-                        _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
-                    }
-                    int64_t rows_here = rows - first < AMX_ROWS ? rows - first : AMX_ROWS;
-                    store_tile_pair(sums, rows_here, columns, bias, y, n_size, first, n, 0, 0);
-                }
+                store_sum_tiles(sums, m, second, rows, columns, bias, y, n_size, n, 0, 0);
             }
         }
     }
@@ -523,16 +533,7 @@ int tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const ui
                         if (second)
                             _tile_dpbf16ps(6, 7, 4);
                     }
-                    _tile_stored(0, sums, AMX_ROWS * AMX_BLOCKS * 4);
-                    _tile_stored(1, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
-                    store_tile_pair(sums, chunk_end - m < AMX_ROWS ? chunk_end - m : AMX_ROWS, columns, bias, y,
-                                    n_size, m, n, y_bf16, gated);
-                    if (second) {
-                        _tile_stored(5, sums, AMX_ROWS * AMX_BLOCKS * 4);
-                        _tile_stored(6, &sums[0][AMX_ROWS], AMX_ROWS * AMX_BLOCKS * 4);
-                        int64_t count = chunk_end - m - AMX_ROWS < AMX_ROWS ? chunk_end - m - AMX_ROWS : AMX_ROWS;
-                        store_tile_pair(sums, count, columns, bias, y, n_size, m + AMX_ROWS, n, y_bf16, gated);
-                    }
+                    store_sum_tiles(sums, m, second, chunk_end, columns, bias, y, n_size, n, y_bf16, gated);
                 }
             }
         }
@@ -653,9 +654,9 @@ static inline void transpose_lanes(__m512i rows[16])
 
 /* The chunk's queries and its context's keys and values, rounded to bfloat16 in the tiles' orders:
  * q [kv_heads][padded rows][head_dim], row t · group + j the query of token t and head kv_head · group + j (the
- * query heads that share a key-value head stacked, so that a chunk of few tokens fills its tiles); k [kv_heads][padded context / 16][head_dim / 32][16 column pairs]
- * [16 keys][2]; v [kv_heads][padded context / 32][head_dim / 16][16 key pairs][16 columns][2]. Padding is
- * zero. Query row t is q_rows + t · q_stride; context position c is slot slots[c] of the caches. */
+ * query heads that share a key-value head stacked, so that a chunk of few tokens fills its tiles); k [kv_heads]
+ * [padded context / 16][head_dim / 32][16 column pairs][16 keys][2]; v [kv_heads][padded context / 32]
+ * [head_dim / 16][16 key pairs][16 columns][2]. Padding is zero. Query row t is q_rows + t · q_stride; context position c is slot slots[c] of the caches. */
 static void pack_for_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t tokens, int64_t padded_rows, int64_t context, int64_t padded_context,
@@ -803,7 +804,8 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
     float log2_scale = scale * 1.44269504f;
     /* shared: the packed queries, keys and values; each thread's: its probabilities [16][padded context],
      * and each key block's rescale factors [16] and whether any moved */
-    size_t q_count = (size_t)(num_kv_heads * padded_rows * head_dim), kv_count = (size_t)(num_kv_heads * padded_context * head_dim);
+    size_t q_count = (size_t)(num_kv_heads * padded_rows * head_dim);
+    size_t kv_count = (size_t)(num_kv_heads * padded_context * head_dim);
     size_t p_count = (size_t)(AMX_ROWS * padded_context), thread_bytes = p_count * 2 + (size_t)key_blocks * (AMX_ROWS * 4 + 4);
     thread_bytes = (thread_bytes + 63) / 64 * 64;
     uint16_t *q = scratch((q_count + 2 * kv_count) * 2 + thread_bytes * threads);
