@@ -122,9 +122,11 @@ def test_cancel_mid_stream_frees_everything(worker):
         call = worker.stub.Generate(worker_pb2.GenerateRequest(prompt_token_ids=ids(list(range(50))),
                                                                max_new_tokens=LONG_OUTPUT, sampling=GREEDY,
                                                                ignore_eos=True), timeout=60)
-        # running, with tokens generated: the stream has begun
-        stall.step_until(lambda: (s := estimate(worker)).num_running == 1 and s.requests[0].decode_tokens < LONG_OUTPUT)
-        call.cancel()
+        try:  # running, with tokens generated: the stream has begun
+            stall.step_until(lambda: (s := estimate(worker)).num_running == 1
+                             and s.requests[0].decode_tokens < LONG_OUTPUT)
+        finally:
+            call.cancel()
     state = idle(worker)
     assert state.pending_decode_tokens == 0 and state.pending_prefill_tokens == 0
     assert len(generate(worker, prompt_token_ids=ids([1, 2, 3]), max_new_tokens=3, ignore_eos=True)) > 0

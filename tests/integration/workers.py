@@ -179,8 +179,11 @@ class Stall:
 
     def step_until(self, predicate, pulse_s: float = 0.005, timeout: float = 30.0):
         """Let the children run for pulses of ``pulse_s`` until ``predicate`` holds with them stopped again (a
-        worker without children runs on its own); returns what ``predicate`` returned."""
+        worker without children runs on its own); returns what ``predicate`` returned. Each pulse after which
+        it does not hold is followed by one twice as long, up to 0.2 s: a loaded or slower machine gives the
+        children less work done in a pulse."""
         deadline = time.monotonic() + timeout
+        length = pulse_s
         while time.monotonic() < deadline:
             settle = time.monotonic() + 0.2  # what the children sent before they stopped reaches the worker
             while time.monotonic() < settle:
@@ -188,7 +191,8 @@ class Stall:
                 if value:
                     return value
                 time.sleep(0.02)
-            self.pulse(pulse_s)
+            self.pulse(length)
+            length = min(2 * length, 0.2)
         raise AssertionError("condition not reached")
 
 
