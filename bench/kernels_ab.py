@@ -3,7 +3,7 @@ revision, both in the widest instruction set this CPU runs, loaded into one proc
 so that a change to the kernels is measured against the code before it under the same load.
 
 Timed: every linear layer of the default model's shape (30 layers and the output head, each with its
-own weights) at 1 and 8 rows, and decode attention over 30 layers (each with its own cache) for one
+own weights) at 1 and 8 rows, in float16 and in int8 (the default's decode weights), and decode attention over 30 layers (each with its own cache) for one
 sequence of 600 positions and for 8 sequences of about 600 sharing a 496-token prefix, as in the burst.
 Writes bench/results/kernels-ab.json.
 
@@ -29,6 +29,7 @@ from weights import HEAD, LAYER
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = "tandem/engine/model/cpu_kernels.c"
 LAYERS, BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
+FORMATS = {torch.float16: "float16", torch.int8: "int8"}
 
 
 def build(source_text: str, isa: str, directory: Path, name: str) -> CpuKernels:
@@ -66,15 +67,16 @@ def main() -> None:
                   "current": build(Path(SOURCE).read_text(), isa, Path(scratch), "current")}
         weights = [torch.randn(out, width) * 0.02 for _ in range(LAYERS) for out, width in LAYER]
         weights.append(torch.randn(*HEAD) * 0.02)
-        packed = {name: [kernels.pack(w, torch.float16) for w in weights] for name, kernels in builds.items()}
+        packed = {(name, dtype): [kernels.pack(w, dtype) for w in weights]
+                  for name, kernels in builds.items() for dtype in FORMATS}
         slots = 2048
         caches = [(torch.randn(slots, KV_HEADS, HEAD_DIM), torch.randn(slots, KV_HEADS, HEAD_DIM))
                   for _ in range(LAYERS)]
 
-        def linears(name: str, rows: int) -> float:
+        def linears(name: str, dtype: torch.dtype, rows: int) -> float:
             inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
             start = time.perf_counter()
-            for weight in packed[name]:
+            for weight in packed[name, dtype]:
                 builds[name].linear(inputs[weight.in_features], weight, None)
             return time.perf_counter() - start
 
@@ -89,7 +91,9 @@ def main() -> None:
             tables, queries = block_tables(batch), torch.randn(batch, HEADS, HEAD_DIM)
             for _ in range(args.repeats):
                 for name in builds:
-                    times.setdefault(f"linears_{batch}_rows_ms", {}).setdefault(name, []).append(linears(name, batch))
+                    for dtype in FORMATS:
+                        times.setdefault(f"linears_{FORMATS[dtype]}_{batch}_rows_ms", {}).setdefault(name, []).append(
+                            linears(name, dtype, batch))
                     times.setdefault(f"attention_batch_{batch}_ms", {}).setdefault(name, []).append(
                         attention(name, tables, queries))
     report = {"baseline": args.baseline, "isa": isa, "threads": args.threads, "repeats": args.repeats,

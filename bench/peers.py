@@ -114,6 +114,14 @@ TANDEM_PRECISIONS = {
 }
 
 
+def offered_precisions() -> list[str]:
+    """Tandem's precisions that this CPU runs: bfloat16 batched weights only where it multiplies bfloat16."""
+    from tandem.engine.model.runner import native_bfloat16
+
+    return [name for name, options in TANDEM_PRECISIONS.items()
+            if options.get("batched_weights") != "bfloat16" or native_bfloat16()]
+
+
 def default_precision() -> str:
     """The workers' defaults on this CPU: their decode weights (int8), and their batched weights as resolved here."""
     from tandem.engine.config import DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS
@@ -588,7 +596,7 @@ def main() -> None:
     parser.add_argument("--peers-python", type=Path, default=ROOT / ".venv-peers" / "bin" / "python")
     parser.add_argument("--threads", type=int, default=2, help="compute threads for every system")
     parser.add_argument("--tandem-precisions", default=None,
-                        help="comma-separated, of " + ", ".join(TANDEM_PRECISIONS) + " (default: all)")
+                        help="comma-separated, of " + ", ".join(TANDEM_PRECISIONS) + " (default: all this CPU runs)")
     parser.add_argument("--tandem-engine-priority", default=None,
                         help="AsyncEngine's priority (default: the workers' default)")
     parser.add_argument("--vllm-precisions", default=",".join(VLLM_DTYPES))
@@ -628,7 +636,7 @@ def main() -> None:
     plan: list[tuple[str, str, Path, dict[str, str]]] = []
     gguf_notes: dict = {}
     if "tandem" in systems:
-        precisions = args.tandem_precisions.split(",") if args.tandem_precisions else list(TANDEM_PRECISIONS)
+        precisions = args.tandem_precisions.split(",") if args.tandem_precisions else offered_precisions()
         plan += [("tandem", p, Path(sys.executable), {}) for p in precisions]
     if "vllm_cpu" in systems:
         plan += [("vllm_cpu", p, peers_python, vllm_environment(args.threads)) for p in args.vllm_precisions.split(",") if p]

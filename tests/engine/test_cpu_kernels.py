@@ -18,6 +18,7 @@ from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import INT8_GROUP
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import PackedLinear
+from tandem.engine.model.runner import native_bfloat16
 from tests.engine.helpers import greedy_request, random_prompt, run_to_completion
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
@@ -83,11 +84,13 @@ def unpacked(packed):
 @pytest.mark.parametrize("dtype, group, rows, width, outputs", [
     (dtype, group, *shape)
     for dtype, group in [(torch.float16, None), (torch.int8, None), (torch.int8, 16), (torch.int8, 32)]
-    for shape in [(1, 16, 1), (2, 32, 3), (5, 576, 7), (9, 1536, 64), (20, 576, 40), (49, 64, 33)]
+    for shape in [(1, 16, 1), (1, 576, 7), (1, 1536, 64), (1, 2176, 5), (2, 32, 3), (5, 576, 7), (9, 1536, 64),
+                  (20, 576, 40), (49, 64, 33)]
     if group is None or shape[1] % group == 0])
 def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, group, rows, width, outputs):
-    """In float32, but for the AMX build's int8 steps of ``amx_min_rows`` rows or more: there the tiles multiply
-    the rows and the scaled weights rounded to bfloat16, summing in float32."""
+    """In float32, but for int8 weights: in the AMX build, steps of ``amx_min_rows`` rows or more multiply the
+    rows and the scaled weights rounded to bfloat16 in tiles, summing in float32; in the others, one row is
+    rounded to int16 in each scale group, its products summed in int32 (2176 columns: more than one span of them)."""
     if not kernels.packs(width, dtype, group):
         pytest.skip(f"the {kernels.isa} build packs no {dtype} weights {width} wide in groups of {group}")
     torch.manual_seed(rows)
@@ -104,6 +107,10 @@ def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, gro
     weight_used, x_used = unpacked(packed), x.double()
     if dtype == torch.int8 and kernels.amx_min_rows and rows >= kernels.amx_min_rows:
         weight_used, x_used = weight_used.bfloat16().double(), x.bfloat16().double()
+    if dtype == torch.int8 and not kernels.amx_block_rows and rows == 1:
+        grouped = x.view(-1, group or width)
+        top = grouped.abs().amax(dim=1, keepdim=True)
+        x_used = ((grouped * (32767 / top)).round().double() * (top / 32767).double()).view(x.shape)
     expected = F.linear(x_used, weight_used, bias.double()).float()
     torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernels.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-4)
@@ -141,6 +148,7 @@ def test_without_a_low_precision_copy_every_step_reads_the_fp32_weight(kernels):
 
 @torch.inference_mode()
 def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to_the_decode_copy(kernels):
+    skip_without_native_bfloat16()
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
     packed = PackedLinear(linear, kernels, torch.int8, torch.bfloat16, decode_rows=8)
@@ -151,6 +159,11 @@ def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to
     torch.testing.assert_close(output, linear(many), rtol=2e-2, atol=2e-2)  # bfloat16's 8-bit mantissa
     torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8, decode_rows=8)(few),
                                rtol=0, atol=0)
+
+
+def skip_without_native_bfloat16():
+    if not native_bfloat16():
+        pytest.skip("bfloat16 batched weights need a CPU that multiplies bfloat16")
 
 
 def skip_without_bfloat16_tiles(kernels):
@@ -221,15 +234,17 @@ def test_packed_linears_multiply_steps_of_many_rows_in_bfloat16_tiles(kernels):
 
 
 def test_auto_batched_weights_are_bfloat16_only_where_native_and_never_beside_float32_decode_weights(tiny_model):
-    from tandem.engine.model.runner import native_bfloat16
-
     def batched(decode_weights: str, batched_weights: str) -> torch.dtype:
         return build_engine(str(tiny_model), "cpu", "float32", calibrate=False, decode_weights=decode_weights,
                             batched_weights=batched_weights).executor.batched_dtype
 
     assert batched("int8", "auto") == (torch.bfloat16 if native_bfloat16() else torch.float32)
     assert batched("float32", "auto") == torch.float32
-    assert batched("float32", "bfloat16") == torch.bfloat16
+    if native_bfloat16():
+        assert batched("float32", "bfloat16") == torch.bfloat16
+    else:
+        with pytest.raises(ValueError, match="batched_weights bfloat16 needs a CPU that multiplies bfloat16"):
+            batched("int8", "bfloat16")
     with pytest.raises(ValueError, match="batched_weights must be one of auto, bfloat16, float32"):
         batched("int8", "float16")
 
@@ -514,6 +529,7 @@ def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_t
 def test_a_small_step_with_prompt_chunks_attends_them_in_tiles_in_the_same_one_call(tiny_llama_64, monkeypatch):
     """Where the CPU kernels attend prefill chunks (AMX), a small step's prompt chunks, beside its decodes or
     alone, attend as prefill chunks inside the one call, exactly as layer by layer."""
+    skip_without_native_bfloat16()
     engine = build_engine(str(tiny_llama_64), "cpu", "float32",
                           SchedulerConfig(max_num_batched_tokens=16, max_prefill_step_tokens=16),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="int8",
@@ -557,6 +573,7 @@ def test_rows_for_bfloat16_batched_weights_are_rounded_where_they_are_made_with_
     output stays bfloat16: the very rounding each linear would do to float32 rows, done once, earlier."""
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
+    skip_without_native_bfloat16()
     engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=16), calibrate=False,
                           decode_weights="int8", batched_weights="bfloat16")
     runner, chunk = engine.executor, 40

@@ -9,6 +9,8 @@
  * every product and sum is float32. The weight rows are cut into tiles of TILE_N rows, shared out between the
  * threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass over it. Built with AVX-512
  * (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and the weights are packed for that width.
+ * One row against int8 weights (a single stream's decode step) multiplies in integers instead (one_row_tile):
+ * widening and scaling every weight to float32 would bound it by arithmetic, not by reading the weights.
  * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and steps of many rows multiply in tiles
  * (amx_linear below).
  *
@@ -31,6 +33,10 @@
 #include <string.h>
 
 #define TILE_N 3
+#define INT8_CHUNK 16 /* int8 weights of a row kept together in the packed layout: one 256-bit widening to int16 */
+/* The most columns one_row_tile sums in int32 before scaling them into float32: 1024 / 8 products of 127 · 32767
+ * a lane stay below 2^31. */
+#define ONE_ROW_SPAN 1024
 /* How far ahead of its reads tandem_linear prefetches the weights: left to the hardware prefetcher,
  * the weight stream stalls the arithmetic of a batch of rows instead of overlapping it. A pass of one
  * row does little arithmetic per byte and so reads the stream faster: it prefetches twice as far ahead
@@ -86,7 +92,7 @@ static inline float horizontal_sum(__m256 v)
     return _mm_cvtss_f32(sum);
 }
 
-/* Weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of CHUNK: [n / TILE_N]
+/* Weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of CHUNK (int8: INT8_CHUNK): [n / TILE_N]
  * [k / CHUNK][TILE_N][CHUNK], so the kernel reads the weight in one sequential stream (the hardware
  * prefetcher keeps up with one stream, not with TILE_N short ones). The last tile is padded with zero
  * rows. */
@@ -98,6 +104,11 @@ int tandem_linear_tile_rows(void)
 int tandem_linear_chunk(void)
 {
     return CHUNK;
+}
+
+int tandem_linear_int8_chunk(void)
+{
+    return INT8_CHUNK;
 }
 
 /* rows m < rows_m of x against one packed tile; rows_m and int8 (the weights are int8 with a scale per
@@ -118,19 +129,24 @@ static inline __attribute__((always_inline)) void tile(
         if (int8)
             for (int n = 0; n < TILE_N; n++)
                 scale[n] = chunk_set1(_cvtsh_ss(scales[start / group * TILE_N + n]));
-        for (int64_t k = start; k < start + group; k += CHUNK) {
-            chunk_vector wv[TILE_N];
-            const char *next = (const char *)w + k * TILE_N * (int8 ? 1 : 2);
+        const int64_t together = int8 ? INT8_CHUNK : CHUNK; /* columns of a row kept together in the layout */
+        for (int64_t k0 = start; k0 < start + group; k0 += together) {
+            const char *next = (const char *)w + k0 * TILE_N * (int8 ? 1 : 2);
             _mm_prefetch(next + ahead, _MM_HINT_T0);
             if (!int8)
                 _mm_prefetch(next + ahead + 64, _MM_HINT_T0);
-            for (int n = 0; n < TILE_N; n++)
-                wv[n] = int8 ? chunk_mul(chunk_load_i8((const int8_t *)w + k * TILE_N + n * CHUNK), scale[n])
-                             : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
-            for (int m = 0; m < rows_m; m++) {
-                chunk_vector xv = chunk_load(x + m * k_size + k);
+            for (int64_t part = 0; part < together; part += CHUNK) {
+                int64_t k = k0 + part;
+                chunk_vector wv[TILE_N];
                 for (int n = 0; n < TILE_N; n++)
-                    acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
+                    wv[n] = int8 ? chunk_mul(chunk_load_i8((const int8_t *)w + k0 * TILE_N + n * INT8_CHUNK + part),
+                                             scale[n])
+                                 : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
+                for (int m = 0; m < rows_m; m++) {
+                    chunk_vector xv = chunk_load(x + m * k_size + k);
+                    for (int n = 0; n < TILE_N; n++)
+                        acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
+                }
             }
         }
     }
@@ -165,6 +181,59 @@ static inline __attribute__((always_inline)) void tile_all_rows(
 #endif
     }
 #undef REMAINING
+}
+
+/* One row of x, its groups scaled to int16 (quantize_row), against int8 tile t: each group's products are
+ * summed exactly in int32 lanes (vpmaddwd: 16 products in one instruction, where float32 takes a widening, a
+ * conversion and a scaling of every 8 weights besides their 8 products), ONE_ROW_SPAN columns at most, then
+ * scaled by the weight group's and the row group's scales into float32 sums. */
+static void one_row_tile(const int16_t *xq, const float *x_scales, int64_t k_size, const int8_t *w,
+                         const uint16_t *scales, int64_t group, int64_t n_size, const float *bias, float *y, int64_t t)
+{
+    int64_t n0 = t * TILE_N;
+    int columns = n_size - n0 < TILE_N ? (int)(n_size - n0) : TILE_N;
+    w += n0 * k_size;
+    scales += n0 * (k_size / group);
+    __m256 acc[TILE_N];
+    for (int n = 0; n < TILE_N; n++)
+        acc[n] = _mm256_setzero_ps();
+    for (int64_t span = 0, end; span < k_size; span = end) {
+        int64_t g = span / group;
+        end = span + ONE_ROW_SPAN < (g + 1) * group ? span + ONE_ROW_SPAN : (g + 1) * group;
+        __m256i sums[TILE_N];
+        for (int n = 0; n < TILE_N; n++)
+            sums[n] = _mm256_setzero_si256();
+        for (int64_t k = span; k < end; k += INT8_CHUNK) {
+            const int8_t *chunk = w + k * TILE_N;
+            _mm_prefetch((const char *)chunk + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + k));
+            for (int n = 0; n < TILE_N; n++) {
+                __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(chunk + n * INT8_CHUNK)));
+                sums[n] = _mm256_add_epi32(sums[n], _mm256_madd_epi16(wv, xv));
+            }
+        }
+        for (int n = 0; n < TILE_N; n++)
+            acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[n]),
+                                     _mm256_set1_ps(x_scales[g] * _cvtsh_ss(scales[g * TILE_N + n])), acc[n]);
+    }
+    for (int n = 0; n < columns; n++) {
+        float sum = horizontal_sum(acc[n]);
+        y[n0 + n] = bias ? sum + bias[n0 + n] : sum;
+    }
+}
+
+/* x's groups of `group` columns each scaled to ±32767 and rounded, into q, with their scales. */
+static void quantize_row(const float *x, int64_t k_size, int64_t group, int16_t *q, float *scales)
+{
+    for (int64_t start = 0; start < k_size; start += group) {
+        float top = 0.0f;
+        for (int64_t k = start; k < start + group; k++)
+            top = fmaxf(top, fabsf(x[k]));
+        float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
+        scales[start / group] = top / 32767.0f;
+        for (int64_t k = start; k < start + group; k++)
+            q[k] = (int16_t)lrintf(x[k] * inverse);
+    }
 }
 
 #ifdef __AVX512F__
@@ -933,9 +1002,9 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
 }
 #endif
 
-/* x [rows, k_size] float32 (k_size a multiple of CHUNK), w packed as above from [n_size, k_size] weights:
- * float16 bits where scales is NULL, else int8 with a float16 scale per `group` columns (a multiple of
- * CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
+/* x [rows, k_size] float32 (k_size a multiple of CHUNK, and of INT8_CHUNK for int8), w packed as above from
+ * [n_size, k_size] weights: float16 bits where scales is NULL, else int8 with a float16 scale per `group` columns
+ * (a multiple of INT8_CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
  * (weight w[r][c] is its int8 times the scale of row r's group c / group); bias [n_size] float32 or NULL,
  * y [rows, n_size] float32; all contiguous. */
 void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales, int64_t group,
@@ -948,6 +1017,15 @@ void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, 
 #endif
     if (scales) {
         group = group ? group : k_size;
+        if (rows == 1) {
+            int16_t xq[k_size];
+            float x_scales[k_size / group];
+            quantize_row(x, k_size, group, xq, x_scales);
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t t = 0; t < tiles; t++)
+                one_row_tile(xq, x_scales, k_size, w, scales, group, n_size, bias, y, t);
+            return;
+        }
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < tiles; t++)
             tile_all_rows(x, rows, k_size, w, 1, scales, group, n_size, bias, y, t);

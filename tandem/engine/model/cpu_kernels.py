@@ -69,6 +69,7 @@ class CpuKernels:
         self._linear.restype = None
         self.tile_rows = c.tandem_linear_tile_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
+        self.int8_chunk = c.tandem_linear_int8_chunk()  # the same for int8 weights
         # weight rows per block of the AMX build's int8 and bfloat16 layout (0: no AMX build; int8 is tiled as
         # float16 is), and the fewest rows it multiplies int8 weights by in AMX tiles, in bfloat16 (0: none; fewer
         # rows stay float32)
@@ -115,8 +116,9 @@ class CpuKernels:
         if dtype not in (torch.float16, torch.int8):
             raise ValueError(f"pack makes float16 or int8 weights, not {dtype}")
         if not self.packs(width, dtype, group):
-            raise ValueError(f"pack needs rows a multiple of {self.chunk} wide, and int8 scale groups a multiple of "
-                             f"{self.chunk} that divides them; got rows {width} wide, groups of {group}")
+            step = self._step(dtype)
+            raise ValueError(f"pack needs rows a multiple of {step} wide, and int8 scale groups a multiple of "
+                             f"{step} that divides them; got rows {width} wide, groups of {group}")
         if dtype == torch.int8 and self.amx_block_rows:
             return self._pack_int8_blocks(weight, group)
         padded_rows = -(-rows // self.tile_rows) * self.tile_rows
@@ -132,7 +134,8 @@ class CpuKernels:
             group = None
         padded = torch.zeros(padded_rows, width, dtype=dtype)
         padded[:rows] = weight
-        data = padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
+        chunk = self._step(dtype)
+        data = padded.view(-1, self.tile_rows, width // chunk, chunk).transpose(1, 2).contiguous()
         return PackedWeight(data, scales, rows, width, group)
 
     def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
@@ -204,9 +207,16 @@ class CpuKernels:
 
     def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:
         """Whether ``pack`` takes a weight of rows ``width`` wide into ``dtype`` (int8 in scale groups of ``group``)."""
-        step = 32 if dtype == torch.int8 and self.amx_block_rows else self.chunk
+        step = self._step(dtype)
         return width % step == 0 and (dtype != torch.int8 or group is None
                                       or (group % step == 0 and width % group == 0))
+
+    def _step(self, dtype: torch.dtype) -> int:
+        """The columns of a row that ``pack`` keeps together for ``dtype``: its rows' width and its int8 scale
+        groups are a multiple of it."""
+        if dtype != torch.int8:
+            return self.chunk
+        return 32 if self.amx_block_rows else self.int8_chunk
 
     def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None) -> torch.Tensor:
         """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``weight`` from ``pack``."""

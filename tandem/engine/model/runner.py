@@ -51,7 +51,10 @@ def amx_tiles() -> bool:
 
 def resolved_batched_weights(batched_weights: str, decode_weights: str) -> str:
     """What ``batched_weights`` means on this CPU: "auto" is bfloat16 where it is native, unless the decode
-    weights are float32."""
+    weights are float32. bfloat16 is refused where it is not: oneDNN would not multiply it there."""
+    if batched_weights == "bfloat16" and not native_bfloat16():
+        raise ValueError("batched_weights bfloat16 needs a CPU that multiplies bfloat16 (AVX512-BF16 or AMX tiles); "
+                         "this one does not: use float32 or auto")
     if batched_weights != "auto":
         return batched_weights
     return "bfloat16" if native_bfloat16() and decode_weights != "float32" else "float32"
