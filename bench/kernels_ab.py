@@ -3,8 +3,9 @@ revision, both in the widest instruction set this CPU runs, loaded into one proc
 so that a change to the kernels is measured against the code before it under the same load.
 
 Timed: every linear layer of the default model's shape (30 layers and the output head, each with its
-own weights) at 1 and 8 rows, in float16 and in int8 (the default's decode weights), and decode attention over 30 layers (each with its own cache) for one
-sequence of 600 positions and for 8 sequences of about 600 sharing a 496-token prefix, as in the burst.
+own weights) at 1 and 8 rows, in float16 and in int8 (the default's decode weights), and decode attention
+over 30 layers (each with its own cache) for one sequence of 600 positions and for 8 sequences of about 600
+sharing a 496-token prefix, as in the burst.
 Writes bench/results/kernels-ab.json.
 
     .venv/bin/python bench/kernels_ab.py --baseline HEAD~1

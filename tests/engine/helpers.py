@@ -4,11 +4,13 @@ import functools
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.engine import LLMEngine, RequestOutput
 from tandem.engine.model.factory import build_engine
+from tandem.engine.model.runner import native_bfloat16
 from tandem.engine.request import Request
 from tandem.sampling import SamplingParams
 from tests.device import TEST_DEVICE
@@ -24,6 +26,11 @@ def make_engine(model_dir: Path, num_kv_blocks: int = 256, cuda_graphs: bool | N
     return build_engine(str(model_dir), TEST_DEVICE, "float32", scheduler=config,
                         cache=CacheConfig(num_kv_blocks=num_kv_blocks), calibrate=False, decode_weights="float32",
                         cuda_graphs=cuda_graphs)
+
+
+def skip_without_native_bfloat16() -> None:
+    if not native_bfloat16():
+        pytest.skip("bfloat16 batched weights need a CPU that multiplies bfloat16")
 
 
 def random_prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:

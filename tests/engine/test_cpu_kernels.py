@@ -19,7 +19,7 @@ from tandem.engine.model.cpu_kernels import INT8_GROUP
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import PackedLinear
 from tandem.engine.model.runner import native_bfloat16
-from tests.engine.helpers import greedy_request, random_prompt, run_to_completion
+from tests.engine.helpers import greedy_request, random_prompt, run_to_completion, skip_without_native_bfloat16
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -159,11 +159,6 @@ def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to
     torch.testing.assert_close(output, linear(many), rtol=2e-2, atol=2e-2)  # bfloat16's 8-bit mantissa
     torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8, decode_rows=8)(few),
                                rtol=0, atol=0)
-
-
-def skip_without_native_bfloat16():
-    if not native_bfloat16():
-        pytest.skip("bfloat16 batched weights need a CPU that multiplies bfloat16")
 
 
 def skip_without_bfloat16_tiles(kernels):

@@ -22,8 +22,7 @@ import torch
 from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.quality import Quality, teacher_forced_logprobs
-from tandem.engine.model.runner import native_bfloat16
-from tests.engine.helpers import greedy_request, output_tokens, run_to_completion
+from tests.engine.helpers import greedy_request, output_tokens, run_to_completion, skip_without_native_bfloat16
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -102,8 +101,7 @@ def test_decode_weights_pass_the_teacher_forced_gate(measured, decode_weights):
 
 
 def test_bfloat16_batched_weights_pass_the_gate_in_prefill_chunks(measured):
-    if not native_bfloat16():
-        pytest.skip("bfloat16 batched weights need a CPU that multiplies bfloat16")
+    skip_without_native_bfloat16()
     results, targets = measured
     float32_chunked = Quality.of(results["float32"][0], results["float32"][1], targets)
     assert float32_chunked.mean_kl < 1e-6  # float32 scores the same in chunks as one position a step
