@@ -111,6 +111,9 @@ TANDEM_PRECISIONS = {
     "float32+f16-decode": {"dtype": "float32", "decode_weights": "float16", "batched_weights": "float32"},
     "float32+int8-decode": {"dtype": "float32", "decode_weights": "int8", "batched_weights": "float32"},
     "float32+int8-decode+bf16-batched": {"dtype": "float32", "decode_weights": "int8", "batched_weights": "bfloat16"},
+    # auto: the default model's layers in uint4 (the grid of the Q4_1 file it ships as), its output head in int8
+    "float32+auto-decode": {"dtype": "float32", "decode_weights": "auto", "batched_weights": "float32"},
+    "float32+auto-decode+bf16-batched": {"dtype": "float32", "decode_weights": "auto", "batched_weights": "bfloat16"},
 }
 
 
@@ -123,12 +126,12 @@ def offered_precisions() -> list[str]:
 
 
 def default_precision() -> str:
-    """The workers' defaults on this CPU: their decode weights (int8), and their batched weights as resolved here."""
+    """The workers' defaults on this CPU: their decode weights (auto), and their batched weights as resolved here."""
     from tandem.engine.config import DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS
     from tandem.engine.model.runner import resolved_batched_weights
 
     batched = resolved_batched_weights(DEFAULT_BATCHED_WEIGHTS, DEFAULT_DECODE_WEIGHTS)
-    return "float32+int8-decode+bf16-batched" if batched == "bfloat16" else "float32+int8-decode"
+    return f"float32+{DEFAULT_DECODE_WEIGHTS}-decode" + ("+bf16-batched" if batched == "bfloat16" else "")
 
 
 # Each workload's throughput in a result, and its name in the speed-ups.
@@ -527,7 +530,8 @@ def speedups(results: dict) -> dict:
              ("float32", "llama_cpp", "F32"), ("float32+f16-decode", "llama_cpp", "F16"),
              ("bfloat16", "llama_cpp", "BF16")]
     pairs += [(p, "llama_cpp", "Q8_0") for p in tandem if "int8" in p or "q8" in p.lower()]
-    pairs += [(p, "llama_cpp", "Q4_1") for p in tandem if "int4" in p or "q4" in p.lower()]
+    # auto reads the default model as its Q4_1 file holds it: the layers on Q4_1's grid, the output head on Q8_0's
+    pairs += [(p, "llama_cpp", "Q4_1") for p in tandem if "auto" in p]
     for t_prec, peer, p_prec in pairs:
         t, p = tandem.get(t_prec), results.get(peer, {}).get(p_prec)
         if isinstance(t, dict) and isinstance(p, dict) and "burst_output_tok_s" in t and "burst_output_tok_s" in p:

@@ -25,6 +25,12 @@ def tiny_model(request, tiny_llama, tiny_qwen2):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_q4_1(tmp_path_factory):
+    """The tiny llama with every linear layer's weight on a Q4_1 file's grid, as the default model's are."""
+    return _tiny(tmp_path_factory, "llama", q4_1=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_64(tmp_path_factory):
     """The tiny llama with heads 64 wide: a model both engines (Tandem's and vLLM's on the CPU) accept. Its long
     context lets a request outlast the checks a test makes while it runs, however fast vLLM decodes."""

@@ -42,9 +42,20 @@ def build_tokenizer(directory: Path):
     return fast
 
 
+def on_q4_1_grid(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a Q4_1 GGUF file holds it: each 32 columns of a row as 16 levels from the group's minimum in
+    steps of a 15th of its range, the minimum and the step rounded to float16."""
+    groups = weight.reshape(-1, 32)
+    minimum = groups.amin(dim=1, keepdim=True).half().float()
+    step = ((groups.amax(dim=1, keepdim=True) - minimum) / 15).half().float()
+    levels = torch.round((groups - minimum) / step).clamp(0, 15)
+    return (levels * step + minimum).view(weight.shape)
+
+
 def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0, head_dim: int = 16,
-                     context_length: int = 1024) -> Path:
-    """Save a tiny random-weight causal LM of ``family`` ("llama" or "qwen2") with a tokenizer.
+                     context_length: int = 1024, q4_1: bool = False) -> Path:
+    """Save a tiny random-weight causal LM of ``family`` ("llama" or "qwen2") with a tokenizer; with ``q4_1``,
+    every linear layer's weight on the grid of a Q4_1 file (``on_q4_1_grid``), as a model dequantized from one.
 
     Its two layers have 4 query and 2 key-value heads of ``head_dim`` each (vLLM's CPU attention takes 64,
     not 16).
@@ -72,5 +83,10 @@ def build_tiny_model(directory: Path, family: str = "llama", seed: int = 0, head
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
     else:
         raise ValueError(family)
+    if q4_1:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(on_q4_1_grid(module.weight))
     model.save_pretrained(directory)
     return directory

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 ENGINE_PRIORITIES = ("normal", "batch")
 DEFAULT_ENGINE_PRIORITY = "normal"
 # The weights that the decode steps of a float32 CPU model read (see PackedLinear): "int8" (a scale per 32
-# columns) reads a quarter of float32's bytes, "float16" half. Both pass the teacher-forced quality gate
-# against float32 (tests/engine/test_quality.py); int8, the faster, is the default.
-DECODE_WEIGHTS = ("int8", "float16", "float32")
-DEFAULT_DECODE_WEIGHTS = "int8"
+# columns) reads a quarter of float32's bytes, "float16" half; "auto" reads each weight that lies on a 4-bit grid
+# (a model dequantized from a Q4_1 GGUF file, as the default model is) in those 4 bits, exactly, and the others
+# in int8. All pass the teacher-forced quality gate against float32 (tests/engine/test_quality.py); auto, the
+# fastest, is the default.
+DECODE_WEIGHTS = ("auto", "int8", "float16", "float32")
+DEFAULT_DECODE_WEIGHTS = "auto"
 # The weights that the steps of many rows of a float32 CPU model (prefill chunks, wide batches) read:
 # "bfloat16" where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX), through oneDNN, at about
 # 1.8x float32's speed on an AVX-512 EPYC; "auto" picks it there unless the decode weights are float32, so a

@@ -88,10 +88,12 @@ def build_parser(kind: str, default_port: int) -> EnvArgumentParser:
                             help="weights and activations dtype")
     parser.add_env_argument("--decode-weights", "TANDEM_DECODE_WEIGHTS", DEFAULT_DECODE_WEIGHTS,
                             choices=list(DECODE_WEIGHTS),
-                            help="float32 models on the CPU: the weights that decode steps (up to 32 rows) read; int8 "
-                                 "keeps a second, quarter-size copy for them (a scale per 32 columns), float16 a "
-                                 "half-size one, read by kernels built on first use (AVX2 or AVX-512 CPUs with a C "
-                                 "compiler; float32 elsewhere); float32 keeps none. int8 and float16 pass the "
+                            help="float32 models on the CPU: the weights that decode steps (of up to decode_rows rows, "
+                                 "measured per machine) read; int8 keeps a second, quarter-size copy for them (a scale "
+                                 "per 32 columns), float16 a half-size one, auto each weight that lies on a 4-bit grid "
+                                 "(a model converted from a Q4_1 GGUF file, as the default model is) in those 4 bits, "
+                                 "exactly, and the others in int8; read by kernels built on first use (AVX2 or "
+                                 "AVX-512 CPUs with a C compiler; float32 elsewhere); float32 keeps none. All pass the "
                                  "teacher-forced quality gate against float32")
     parser.add_env_argument("--batched-weights", "TANDEM_BATCHED_WEIGHTS", DEFAULT_BATCHED_WEIGHTS,
                             choices=list(BATCHED_WEIGHTS),

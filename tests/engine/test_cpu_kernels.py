@@ -20,6 +20,7 @@ from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import PackedLinear
 from tandem.engine.model.runner import native_bfloat16
 from tests.engine.helpers import greedy_request, random_prompt, run_to_completion, skip_without_native_bfloat16
+from tests.models import on_q4_1_grid
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
@@ -116,9 +117,54 @@ def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, gro
     torch.testing.assert_close(kernels.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-4)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("width, outputs", [(64, 1), (128, 7), (192, 5), (320, 3), (448, 4), (576, 40), (1536, 9)])
+def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_to_int16(kernels, rows, width,
+                                                                                        outputs):
+    """Widths of every mix of the 8-, 4- and 2-group blocks the kernel reads; rows in and beyond its passes of 4.
+    Each row is rounded to int16 in each group of 32 columns; the groups' minimums multiply the row's exact sums."""
+    torch.manual_seed(width + rows)
+    weight = on_q4_1_grid(torch.randn(outputs, width))
+    assert cpu_kernels.on_uint4_grid(weight) and not cpu_kernels.on_uint4_grid(torch.randn(outputs, width))
+    packed = kernels.pack(weight, torch.uint4)
+    padded_rows = -(-outputs // kernels.tile_rows) * kernels.tile_rows
+    assert packed.dtype == torch.uint4 and packed.nbytes == padded_rows * (width // 2 + 2 * 2 * width // 32)
+    grouped = weight.view(outputs, -1, 32)
+    minimums = grouped.amin(dim=2, keepdim=True)
+    x, bias = torch.randn(rows, width), torch.randn(outputs)
+    x_groups = x.view(rows, -1, 32)
+    top = x_groups.abs().amax(dim=2, keepdim=True)
+    x_rounded = ((x_groups * (32767 / top)).round().double() * (top / 32767).double()).view(x.shape)
+    levels_term = F.linear(x_rounded, (grouped - minimums).view(weight.shape).double())
+    minimums_term = F.linear(x.double(), minimums.expand_as(grouped).reshape(weight.shape).double())
+    # the two terms, each up to about 100 here, cancel: a few dozen float32 roundings of their size
+    tolerance = 32 * torch.finfo(torch.float32).eps * (levels_term.abs() + minimums_term.abs()).max().item()
+    expected = (levels_term + minimums_term + bias.double()).float()
+    torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=0, atol=tolerance)
+
+
+@torch.inference_mode()
+def test_auto_decode_weights_are_uint4_where_that_is_exact_and_int8_elsewhere(kernels):
+    torch.manual_seed(0)
+    on_grid, off_grid = on_q4_1_grid(torch.randn(6, 128)), torch.randn(6, 128)
+    assert kernels.decode_dtype(on_grid, "auto") == torch.uint4
+    assert kernels.decode_dtype(off_grid, "auto") == torch.int8
+    assert kernels.decode_dtype(on_q4_1_grid(torch.randn(6, 96)), "auto") == torch.int8  # no whole 2-group block
+    assert kernels.decode_dtype(on_grid, "float16") == torch.float16
+    linear = nn.Linear(128, 6)
+    with torch.no_grad():
+        linear.weight.copy_(on_grid)
+    packed = PackedLinear(linear, kernels, kernels.decode_dtype(linear.weight, "auto"), decode_rows=4)
+    x = torch.randn(4, 128)
+    # the weight exactly: off only by the rows' rounding to int16, at most half a step of each group's
+    half_steps = (x.view(4, -1, 32).abs().amax(dim=2, keepdim=True) / 32767 / 2).expand(4, 4, 32).reshape(4, 128)
+    assert ((packed(x) - linear(x)).abs() <= half_steps @ linear.weight.abs().T + 1e-5).all()
+
+
 def test_a_step_without_rows_gets_an_empty_output(kernels):
     """As the output head of a step whose prefill chunks end no prompt."""
-    for dtype in (torch.float16, torch.int8):
+    for dtype in (torch.float16, torch.int8, torch.uint4):
         packed = kernels.pack(torch.randn(64, 64), dtype)
         assert kernels.linear(torch.empty(0, 64), packed, None).shape == (0, 64)
 
@@ -132,7 +178,9 @@ def test_linear_and_pack_name_what_they_were_given_wrong(kernels):
         kernels.pack(torch.randn(4, 12), torch.float16)
     with pytest.raises(ValueError, match="groups of 32"):
         kernels.pack(torch.randn(4, 48), torch.int8, 32)
-    with pytest.raises(ValueError, match="float16 or int8"):
+    with pytest.raises(ValueError, match="multiple of 64 wide"):
+        kernels.pack(torch.randn(4, 96), torch.uint4)
+    with pytest.raises(ValueError, match="float16, int8 or uint4"):
         kernels.pack(torch.randn(4, 16), torch.bfloat16)
 
 
@@ -509,12 +557,21 @@ def _run_each_small_step_both_ways(engine, rows: int, lengths: tuple[int, ...], 
 @pytest.mark.parametrize("decode_weights", ["float16", "int8"])
 def test_a_step_of_decodes_runs_every_layer_in_one_call_exactly_as_one_op_at_a_time(tiny_model, decode_weights,
                                                                                     monkeypatch):
+    _one_call_matches_one_op_at_a_time(tiny_model, decode_weights, decode_weights, monkeypatch)
+
+
+@torch.inference_mode()
+def test_auto_decode_weights_on_a_q4_1_model_run_every_layer_in_one_call_in_uint4(tiny_llama_q4_1, monkeypatch):
+    _one_call_matches_one_op_at_a_time(tiny_llama_q4_1, "auto", "uint4", monkeypatch)
+
+
+def _one_call_matches_one_op_at_a_time(model, decode_weights: str, copy: str, monkeypatch) -> None:
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
-    engine = build_engine(str(tiny_model), "cpu", "float32",
+    engine = build_engine(str(model), "cpu", "float32",
                           SchedulerConfig(max_num_batched_tokens=32, max_prefill_step_tokens=32),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights=decode_weights)
-    assert engine.executor.decode_dtype == getattr(torch, decode_weights)
+    assert engine.executor.decode_weights == copy
     compared = _run_each_small_step_both_ways(engine, 4, (3, 17, 40, 70), monkeypatch)
     decode_steps = [rows for rows, decodes, chunks in compared if rows == decodes]
     assert max(decode_steps) == 4 and min(decode_steps) == 1  # decode steps of all four and of the last alone

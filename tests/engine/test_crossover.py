@@ -67,7 +67,7 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
     assert first.model.decode_rows in (0, *crossover.LADDER)
     recorded = json.loads((home / "kernels" / "decode-rows.json").read_text())
     assert list(recorded.values()) == [first.model.decode_rows]
-    assert json.loads(next(iter(recorded)))["decode_weights"] == "torch.int8"
+    assert json.loads(next(iter(recorded)))["decode_weights"] == "int8"
 
     def untimed(*args):
         raise AssertionError("the recorded figure is read, not timed again")

@@ -46,7 +46,9 @@ PROMPTS = [
     "The main difference between a virus and a bacterium is",
 ]
 NEW_TOKENS = 64
-LOW_PRECISION = ("float16", "int8")
+# each low-precision --decode-weights and the decode copy it makes of the default model: auto keeps its layers,
+# dequantized from the Q4_1 file it ships as, in uint4, and its output head, from Q8_0, in int8
+LOW_PRECISION = {"float16": "float16", "int8": "int8", "auto": "uint4+int8"}
 CHUNK = 256
 SMALL_STEP = 16  # rows of a wide decode step: the decode copy's path where decode_rows reaches it
 
@@ -73,7 +75,8 @@ def measured():
     results = {}
     for decode_weights in ("float32", *LOW_PRECISION):
         engine = engine_with(decode_weights)
-        assert engine.executor.decode_dtype == getattr(torch, decode_weights), "the CPU kernels did not load"
+        assert engine.executor.decode_weights == LOW_PRECISION.get(decode_weights, "float32"), \
+            "the CPU kernels did not load"
         sequences = [engine.tokenizer.encode(text) for text in (TEXT, *PROMPTS)]
         one_row, chunked, small_steps = (torch.cat([teacher_forced_logprobs(engine.executor, tokens, rows)
                                                     for tokens in sequences]) for rows in (1, CHUNK, SMALL_STEP))
@@ -105,18 +108,19 @@ def test_bfloat16_batched_weights_pass_the_gate_in_prefill_chunks(measured):
     results, targets = measured
     float32_chunked = Quality.of(results["float32"][0], results["float32"][1], targets)
     assert float32_chunked.mean_kl < 1e-6  # float32 scores the same in chunks as one position a step
-    quality = Quality.of(results["float32"][0], results["int8"][1], targets)
+    quality = Quality.of(results["float32"][0], results["auto"][1], targets)
     print(f"bfloat16 batched weights in chunks of {CHUNK} against float32: {quality.summary()}")
     gated(quality)
 
 
-def test_int8_decode_weights_pass_the_gate_in_steps_of_many_rows(measured):
+@pytest.mark.parametrize("decode_weights", ["int8", "auto"])
+def test_integer_decode_weights_pass_the_gate_in_steps_of_many_rows(measured, decode_weights):
     """Steps of ``SMALL_STEP`` rows take the path such a step takes here: where ``decode_rows`` reaches them,
-    the int8 copy (in the AMX build, multiplied in bfloat16 tiles) with each token attended as a decode, else the
-    batched weights and a prefill chunk's attention."""
+    the decode copy (int8 in the AMX build multiplied in bfloat16 tiles; uint4 in int16 rows) with each token
+    attended as a decode, else the batched weights and a prefill chunk's attention."""
     results, targets = measured
-    quality = Quality.of(results["float32"][0], results["int8"][3], targets)
-    print(f"int8 decode weights in steps of {SMALL_STEP} rows against float32: {quality.summary()}")
+    quality = Quality.of(results["float32"][0], results[decode_weights][3], targets)
+    print(f"{decode_weights} decode weights in steps of {SMALL_STEP} rows against float32: {quality.summary()}")
     gated(quality)
 
 

@@ -222,18 +222,203 @@ static void one_row_tile(const int16_t *xq, const float *x_scales, int64_t k_siz
     }
 }
 
+/* x[0, n) (n a multiple of 16) scaled to ±32767 and rounded to nearest, into q; returns the scale, and x's sum in
+ * *sum where sum is not NULL. */
+static inline float quantize_int16(const float *x, int64_t n, int16_t *q, float *sum)
+{
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 top = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; k += 8) {
+        __m256 v = _mm256_loadu_ps(x + k);
+        top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));
+        total = _mm256_add_ps(total, v);
+    }
+    float largest = horizontal_max(top);
+    if (sum)
+        *sum = horizontal_sum(total);
+    __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+    for (int64_t k = 0; k < n; k += 16) {
+        __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inverse));
+        __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8), inverse));
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
+    }
+    return largest / 32767.0f;
+}
+
 /* x's groups of `group` columns each scaled to ±32767 and rounded, into q, with their scales. */
 static void quantize_row(const float *x, int64_t k_size, int64_t group, int16_t *q, float *scales)
 {
-    for (int64_t start = 0; start < k_size; start += group) {
-        float top = 0.0f;
-        for (int64_t k = start; k < start + group; k++)
-            top = fmaxf(top, fabsf(x[k]));
-        float inverse = top > 0.0f ? 32767.0f / top : 0.0f;
-        scales[start / group] = top / 32767.0f;
-        for (int64_t k = start; k < start + group; k++)
-            q[k] = (int16_t)lrintf(x[k] * inverse);
+    for (int64_t start = 0; start < k_size; start += group)
+        scales[start / group] = quantize_int16(x + start, group, q + start, NULL);
+}
+
+/* 4-bit weights (tandem_linear with `mins`): each 32 columns of a row hold 16 levels, weight = scale · q + min
+ * with q in 0..15 and a float16 scale and min, the grid of llama.cpp's Q4_1. A row is read in blocks of G = 8, 4
+ * or 2 groups (int4_block_groups), 16 bytes a load, each byte two weights: the low nibbles of one load are 16
+ * columns, the high nibbles 16 more. vpmaddwd pairs them with the rows' int16 values into 8 int32 lanes, lane j
+ * summing columns of the block's group j mod G only, so that a block's sums are scaled by a vector of its groups'
+ * scales, one multiply per block instead of one per group. For that, a block is multiplied in stream order:
+ * the p-th pair of adjacent columns of its group g at pair position p · G + g. pack in cpu_kernels.py lays the
+ * weights out in that order, [tiles][loads][TILE_N][16 bytes], and the scales and the mins [tiles][blocks][TILE_N]
+ * [G]. */
+#define INT4_GROUP 32
+#define INT4_ROWS 4 /* rows of x against a tile at once: 12 int32 sums of the 16 vector registers */
+
+static inline int int4_block_groups(int64_t remaining)
+{
+    return remaining >= 8 * INT4_GROUP ? 8 : remaining >= 4 * INT4_GROUP ? 4 : 2;
+}
+
+/* One row x, its groups scaled to ±32767 and rounded, into q in stream order; per block, each int32 lane's group
+ * scale, and its group's sum of x shared by the group's 8 / G lanes (the mins' term). */
+static void quantize_row_int4(const float *x, int64_t k_size, int16_t *q, float *lane_scales, float *lane_sums)
+{
+    for (int64_t start = 0, b = 0; start < k_size; b++) {
+        int groups = int4_block_groups(k_size - start);
+        int16_t natural[8 * INT4_GROUP];
+        float scale[8], sum[8];
+        for (int g = 0; g < groups; g++)
+            scale[g] = quantize_int16(x + start + g * INT4_GROUP, INT4_GROUP, natural + g * INT4_GROUP, sum + g);
+        for (int g = 0; g < groups; g++)
+            for (int pair = 0; pair < INT4_GROUP / 2; pair++)
+                memcpy(q + start + 2 * (pair * groups + g), natural + g * INT4_GROUP + 2 * pair, 2 * sizeof(int16_t));
+        for (int j = 0; j < 8; j++) {
+            lane_scales[b * 8 + j] = scale[j % groups];
+            lane_sums[b * 8 + j] = sum[j % groups] * groups / 8;
+        }
+        start += groups * INT4_GROUP;
     }
+}
+
+/* G float16 values, lane j of the 8 taking value j mod G */
+static inline __m256 int4_lanes(const uint16_t *p, int groups)
+{
+    __m128i v;
+    if (groups == 8) {
+        v = _mm_loadu_si128((const __m128i *)p);
+    } else if (groups == 4) {
+        int64_t four;
+        memcpy(&four, p, 8);
+        v = _mm_set1_epi64x(four);
+    } else {
+        int32_t two;
+        memcpy(&two, p, 4);
+        v = _mm_set1_epi32(two);
+    }
+    return _mm256_cvtph_ps(v);
+}
+
+/* One block of `groups` groups (a constant at every call site, as rows_m is) of rows_m rows against TILE_N weight
+ * rows: w at the block's first load, scales and mins at its values, ls and lsum at the first row's lanes of it. */
+static inline __attribute__((always_inline)) void int4_block(
+    const int16_t *xq, const float *ls, const float *lsum, int64_t stride, int64_t lanes_stride, const uint8_t *w,
+    const uint16_t *scales, const uint16_t *mins, int groups, int rows_m, __m256 acc[][TILE_N])
+{
+    const __m256i nibble = _mm256_set1_epi16(0x0F);
+    __m256i sums[INT4_ROWS][TILE_N];
+    for (int m = 0; m < rows_m; m++)
+        for (int n = 0; n < TILE_N; n++)
+            sums[m][n] = _mm256_setzero_si256();
+    for (int load = 0; load < groups; load++, w += TILE_N * 16) {
+        _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
+        for (int n = 0; n < TILE_N; n++) {
+            __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + n * 16)));
+            __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_srli_epi16(bytes, 4);
+            for (int m = 0; m < rows_m; m++) {
+                const int16_t *xm = xq + m * stride + load * 32;
+                __m256i products = _mm256_add_epi32(
+                    _mm256_madd_epi16(low, _mm256_loadu_si256((const __m256i *)xm)),
+                    _mm256_madd_epi16(high, _mm256_loadu_si256((const __m256i *)(xm + 16))));
+                sums[m][n] = _mm256_add_epi32(sums[m][n], products);
+            }
+        }
+    }
+    for (int n = 0; n < TILE_N; n++) {
+        __m256 scale = int4_lanes(scales + n * groups, groups), min = int4_lanes(mins + n * groups, groups);
+        for (int m = 0; m < rows_m; m++) {
+            acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][n]),
+                                        _mm256_mul_ps(scale, _mm256_loadu_ps(ls + m * lanes_stride)), acc[m][n]);
+            acc[m][n] = _mm256_fmadd_ps(min, _mm256_loadu_ps(lsum + m * lanes_stride), acc[m][n]);
+        }
+    }
+}
+
+/* rows_m rows (quantized by quantize_row_int4, `stride` stream positions and `lanes_stride` lanes apart) against
+ * tile `w` of `columns` weight rows; rows_m is a constant at every call site. */
+static inline __attribute__((always_inline)) void int4_tile(
+    const int16_t *xq, const float *lane_scales, const float *lane_sums, int64_t stride, int64_t lanes_stride,
+    int64_t k_size, const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *bias, float *y,
+    int64_t ldy, int rows_m, int columns)
+{
+    __m256 acc[INT4_ROWS][TILE_N];
+    for (int m = 0; m < rows_m; m++)
+        for (int n = 0; n < TILE_N; n++)
+            acc[m][n] = _mm256_setzero_ps();
+    for (int64_t start = 0, b = 0; start < k_size; b++) {
+        int groups = int4_block_groups(k_size - start);
+#define INT4_BLOCK(count) \
+    case count: int4_block(xq + start, lane_scales + b * 8, lane_sums + b * 8, stride, lanes_stride, w, scales, mins, \
+                           count, rows_m, acc); break;
+        switch (groups) {
+            INT4_BLOCK(8) INT4_BLOCK(4) INT4_BLOCK(2)
+        }
+#undef INT4_BLOCK
+        w += groups * TILE_N * 16;
+        scales += TILE_N * groups;
+        mins += TILE_N * groups;
+        start += groups * INT4_GROUP;
+    }
+    for (int m = 0; m < rows_m; m++)
+        for (int n = 0; n < columns; n++) {
+            float sum = horizontal_sum(acc[m][n]);
+            y[m * ldy + n] = bias ? sum + bias[n] : sum;
+        }
+}
+
+static int64_t int4_blocks(int64_t k_size)
+{
+    int64_t blocks = 0;
+    for (int64_t start = 0; start < k_size; blocks++)
+        start += int4_block_groups(k_size - start) * INT4_GROUP;
+    return blocks;
+}
+
+/* Returns -2 where it cannot allocate its working memory. */
+static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8_t *w, const uint16_t *scales,
+                       const uint16_t *mins, int64_t n_size, const float *bias, float *y, int threads)
+{
+    int64_t tiles = (n_size + TILE_N - 1) / TILE_N, lanes = int4_blocks(k_size) * 8;
+    int64_t groups = k_size / INT4_GROUP;
+    char *area = malloc(rows * (k_size * sizeof(int16_t) + 2 * lanes * sizeof(float)));
+    if (!area)
+        return -2;
+    int16_t *xq = (int16_t *)area;
+    float *lane_scales = (float *)(xq + rows * k_size), *lane_sums = lane_scales + rows * lanes;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            quantize_row_int4(x + m * k_size, k_size, xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t n = t * TILE_N;
+            int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
+            const uint8_t *wt = w + n * k_size / 2;
+            const uint16_t *st = scales + n * groups, *mt = mins + n * groups;
+            const float *bt = bias ? bias + n : 0;
+            for (int64_t m = 0; m < rows; m += INT4_ROWS) {
+#define INT4_ROWS_CASE(count) \
+    case count: int4_tile(xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes, k_size, lanes, k_size, wt, \
+                          st, mt, bt, y + m * n_size + n, n_size, count, columns); break;
+                switch (rows - m < INT4_ROWS ? rows - m : INT4_ROWS) {
+                    INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
+                }
+#undef INT4_ROWS_CASE
+            }
+        }
+    }
+    free(area);
+    return 0;
 }
 
 #ifdef __AVX512F__
@@ -1007,13 +1192,19 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
  * (a multiple of INT8_CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
  * (weight w[r][c] is its int8 times the scale of row r's group c / group); bias [n_size] float32 or NULL,
  * y [rows, n_size] float32; all contiguous. */
-void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales, int64_t group,
-                   int64_t n_size, const float *bias, float *y, int threads)
+int tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales,
+                  const uint16_t *mins, int64_t group, int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
+    if (rows == 0)
+        return 0;
+    if (mins)
+        return int4_linear(x, rows, k_size, w, scales, mins, n_size, bias, y, threads);
 #ifdef __AMX_BF16__
-    if (scales)
-        return amx_linear(x, rows, k_size, w, scales, n_size, bias, y, threads);
+    if (scales) {
+        amx_linear(x, rows, k_size, w, scales, n_size, bias, y, threads);
+        return 0;
+    }
 #endif
     if (scales) {
         group = group ? group : k_size;
@@ -1024,7 +1215,7 @@ void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, 
 #pragma omp parallel for schedule(static) num_threads(threads)
             for (int64_t t = 0; t < tiles; t++)
                 one_row_tile(xq, x_scales, k_size, w, scales, group, n_size, bias, y, t);
-            return;
+            return 0;
         }
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < tiles; t++)
@@ -1034,6 +1225,7 @@ void tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, 
         for (int64_t t = 0; t < tiles; t++)
             tile_all_rows(x, rows, k_size, w, 0, 0, k_size, n_size, bias, y, t);
     }
+    return 0;
 }
 
 /* e^x for x <= 0 (scores minus their running maximum): 2^n · p(r), r = x - n·ln 2, |r| <= ln 2 / 2,
@@ -1545,12 +1737,13 @@ void tandem_silu_and_mul_bf16(const uint16_t *gate_up, int64_t rows, int64_t siz
 }
 
 /* One decoder layer's weights for tandem_decode_layers: its norms', and its linears' packed weights,
- * scales (NULL for float16 weights) and biases (NULL where none), as tandem_linear takes them; every
- * linear's scales are per `group` columns of the layer shape. */
+ * scales (NULL for float16 weights), mins (4-bit weights only) and biases (NULL where none), as tandem_linear
+ * takes them; every int8 linear's scales are per `group` columns of the layer shape. */
 typedef struct {
     const float *input_norm, *post_attention_norm;
     const void *qkv, *o, *gate_up, *down;
     const uint16_t *qkv_scales, *o_scales, *gate_up_scales, *down_scales;
+    const uint16_t *qkv_mins, *o_mins, *gate_up_mins, *down_mins;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
 } tandem_layer;
 
@@ -1592,7 +1785,7 @@ static int attend_chunk(const tandem_chunk *chunk, const float *qkv, int64_t qkv
  * before the first of `chunks` attend as decodes, through block_tables and context_lens (one each); the
  * chunks, one after another to the last row, as prefills (the AMX build). scratch holds rows · (hidden +
  * qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per layer takes the dispatch
- * of each op out of the step. Returns the attention's status where it is not 0. */
+ * of each op out of the step. Returns the first status of a linear or the attention that is not 0. */
 int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const tandem_layer_shape *shape,
                          int64_t rows, float *x, float *residual, const int64_t *positions, const float *cos_table,
                          const float *sin_table, const int64_t *slot_mapping, float *k_cache, float *v_cache,
@@ -1609,27 +1802,34 @@ int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const t
         const tandem_layer *layer = layers + l;
         float *keys = k_cache + l * cache_layer_size, *values = v_cache + l * cache_layer_size;
         tandem_rms_norm(x, residual, layer->input_norm, rows, hidden, shape->eps, normed, threads);
-        tandem_linear(normed, rows, hidden, layer->qkv, layer->qkv_scales, shape->group, qkv_size, layer->qkv_bias,
-                      qkv, threads);
+        int status = tandem_linear(normed, rows, hidden, layer->qkv, layer->qkv_scales, layer->qkv_mins, shape->group,
+                                   qkv_size, layer->qkv_bias, qkv, threads);
+        if (status)
+            return status;
         tandem_rope_and_cache(qkv, rows, shape->num_heads, shape->num_kv_heads, shape->head_dim, positions,
                               cos_table, sin_table, slot_mapping, keys, values, threads);
-        int status = decodes ? tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens,
-                                                       decodes, block_size, shape->num_heads, shape->num_kv_heads,
-                                                       shape->head_dim, shape->scale, attention, threads) : 0;
+        status = decodes ? tandem_decode_attention(qkv, qkv_size, keys, values, block_tables, context_lens, decodes,
+                                                   block_size, shape->num_heads, shape->num_kv_heads, shape->head_dim,
+                                                   shape->scale, attention, threads) : 0;
         /* the chunks' bfloat16 outputs are staged where gate_up goes later in the layer */
         for (int64_t c = 0; c < num_chunks && !status; c++)
             status = attend_chunk(chunks + c, qkv, qkv_size, keys, values, shape, (uint16_t *)gate_up, attention,
                                   threads);
+        if (!status)
+            status = tandem_linear(attention, rows, q_size, layer->o, layer->o_scales, layer->o_mins, shape->group,
+                                   hidden, layer->o_bias, x, threads);
         if (status)
             return status;
-        tandem_linear(attention, rows, q_size, layer->o, layer->o_scales, shape->group, hidden, layer->o_bias, x,
-                      threads);
         tandem_rms_norm(x, residual, layer->post_attention_norm, rows, hidden, shape->eps, normed, threads);
-        tandem_linear(normed, rows, hidden, layer->gate_up, layer->gate_up_scales, shape->group,
-                      2 * shape->intermediate, layer->gate_up_bias, gate_up, threads);
+        status = tandem_linear(normed, rows, hidden, layer->gate_up, layer->gate_up_scales, layer->gate_up_mins,
+                               shape->group, 2 * shape->intermediate, layer->gate_up_bias, gate_up, threads);
+        if (status)
+            return status;
         tandem_silu_and_mul(gate_up, rows, shape->intermediate, activation, threads);
-        tandem_linear(activation, rows, shape->intermediate, layer->down, layer->down_scales, shape->group, hidden,
-                      layer->down_bias, x, threads);
+        status = tandem_linear(activation, rows, shape->intermediate, layer->down, layer->down_scales, layer->down_mins,
+                               shape->group, hidden, layer->down_bias, x, threads);
+        if (status)
+            return status;
     }
     return 0;
 }

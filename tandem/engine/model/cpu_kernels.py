@@ -51,6 +51,7 @@ CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # teacher-forced quality gate (tests/engine/test_quality.py), a scale per row fails (top-1 agreement) and
 # per 64 columns passes with less margin; `make bench-weights` times all three alike.
 INT8_GROUP = 32
+UINT4_GROUP = 32  # columns of a row that share a uint4 step and minimum (Q4_1's groups)
 _AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl"))
 ISAS = {"amx": (_AVX512[0] | {"avx512_bf16", "amx_tile", "amx_bf16"},
                 (*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
@@ -65,8 +66,8 @@ class CpuKernels:
         c = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._linear = c.tandem_linear
-        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
-        self._linear.restype = None
+        self._linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
         self.tile_rows = c.tandem_linear_tile_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
         self.int8_chunk = c.tandem_linear_int8_chunk()  # the same for int8 weights
@@ -110,15 +111,17 @@ class CpuKernels:
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype, group: int | None = INT8_GROUP) -> "PackedWeight":
         """``weight`` [n, k] (k a multiple of ``chunk``) in the tiled layout ``linear`` reads, as float16,
-        or as int8 with each ``group`` columns of a row (None: the whole row) scaled to ±127 (round to
-        nearest)."""
+        as int8 with each ``group`` columns of a row (None: the whole row) scaled to ±127 (round to
+        nearest), or as uint4 (``_pack_uint4``)."""
         rows, width = weight.shape
-        if dtype not in (torch.float16, torch.int8):
-            raise ValueError(f"pack makes float16 or int8 weights, not {dtype}")
+        if dtype not in (torch.float16, torch.int8, torch.uint4):
+            raise ValueError(f"pack makes float16, int8 or uint4 weights, not {dtype}")
         if not self.packs(width, dtype, group):
             step = self._step(dtype)
             raise ValueError(f"pack needs rows a multiple of {step} wide, and int8 scale groups a multiple of "
                              f"{step} that divides them; got rows {width} wide, groups of {group}")
+        if dtype == torch.uint4:
+            return self._pack_uint4(weight)
         if dtype == torch.int8 and self.amx_block_rows:
             return self._pack_int8_blocks(weight, group)
         padded_rows = -(-rows // self.tile_rows) * self.tile_rows
@@ -137,6 +140,27 @@ class CpuKernels:
         chunk = self._step(dtype)
         data = padded.view(-1, self.tile_rows, width // chunk, chunk).transpose(1, 2).contiguous()
         return PackedWeight(data, scales, rows, width, group)
+
+    def _pack_uint4(self, weight: torch.Tensor) -> "PackedWeight":
+        """Each ``UINT4_GROUP`` columns of a row as 16 levels from its minimum to its maximum (round to nearest),
+        its float16 step and minimum kept: llama.cpp's Q4_1 grid, exact for a weight that lies on one. Laid out
+        as ``int4_linear`` in cpu_kernels.c reads it: per tile, 16-byte loads of each of its rows in turn, two
+        weights a byte in ``_uint4_order``; the scales and the minimums per tile, block and row."""
+        rows, width = weight.shape
+        padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width)
+        padded[:rows] = weight.float()
+        levels, scales, minimums = _quantize_uint4(padded.view(len(padded), width // UINT4_GROUP, UINT4_GROUP))
+        stream = levels.view(len(padded), width)[:, _uint4_order(width)].view(len(padded), -1, 2, 16)
+        packed = stream[:, :, 0] | stream[:, :, 1] << 4  # [rows, loads, 16]
+        tiles = len(padded) // self.tile_rows
+        data = packed.view(tiles, self.tile_rows, -1, 16).transpose(1, 2).contiguous()
+
+        def per_block(values: torch.Tensor) -> torch.Tensor:
+            values = values.view(tiles, self.tile_rows, -1)
+            return torch.cat([values[:, :, first:first + groups].flatten(1)
+                              for first, groups in _uint4_blocks(width)], dim=1).contiguous()
+
+        return PackedWeight(data, per_block(scales), rows, width, UINT4_GROUP, minimums=per_block(minimums))
 
     def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
         """The AMX build's int8 layout (``_amx_blocks``), and a scale per row and 32 columns."""
@@ -205,6 +229,15 @@ class CpuKernels:
             raise MemoryError("linear_bfloat16 could not allocate its working memory")
         return out
 
+    def decode_dtype(self, weight: torch.Tensor, decode_weights: str) -> torch.dtype | None:
+        """The dtype of ``weight``'s decode copy for ``--decode-weights`` (float16, int8 or auto): auto is uint4
+        where that keeps the weight exactly (``on_uint4_grid``), else int8. None where ``pack`` does not take it."""
+        dtype = torch.int8 if decode_weights == "auto" else getattr(torch, decode_weights)
+        width = weight.shape[1]
+        if decode_weights == "auto" and self.packs(width, torch.uint4) and on_uint4_grid(weight):
+            dtype = torch.uint4
+        return dtype if self.packs(width, dtype) else None
+
     def packs(self, width: int, dtype: torch.dtype, group: int | None = INT8_GROUP) -> bool:
         """Whether ``pack`` takes a weight of rows ``width`` wide into ``dtype`` (int8 in scale groups of ``group``)."""
         step = self._step(dtype)
@@ -213,7 +246,9 @@ class CpuKernels:
 
     def _step(self, dtype: torch.dtype) -> int:
         """The columns of a row that ``pack`` keeps together for ``dtype``: its rows' width and its int8 scale
-        groups are a multiple of it."""
+        groups are a multiple of it (uint4: the fewest columns its layout takes, two scale groups)."""
+        if dtype == torch.uint4:
+            return 2 * UINT4_GROUP
         if dtype != torch.int8:
             return self.chunk
         return 32 if self.amx_block_rows else self.int8_chunk
@@ -224,9 +259,11 @@ class CpuKernels:
             raise ValueError(f"linear needs float32 rows {weight.in_features} wide, got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-        self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.scales_pointer,
-                     weight.group or 0, weight.out_features, None if bias is None else bias.data_ptr(),
-                     out.data_ptr(), torch.get_num_threads())
+        status = self._linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data.data_ptr(), weight.scales_pointer,
+                              weight.minimums_pointer, weight.group or 0, weight.out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if status:
+            raise MemoryError("linear could not allocate its working memory")
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -369,24 +406,30 @@ class PackedWeight:
     in_features: int
     group: int | None = None
     gated: bool = False  # bfloat16 in the AMX layout, 16 gate rows and their 16 up rows a block
+    minimums: torch.Tensor | None = None  # uint4: each group's float16 minimum (data: two weights a byte)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.data.dtype
+        return torch.uint4 if self.minimums is not None else self.data.dtype
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        return sum(tensor.nbytes for tensor in (self.data, self.scales, self.minimums) if tensor is not None)
 
     @property
     def scales_pointer(self) -> int | None:
         return None if self.scales is None else self.scales.data_ptr()
 
+    @property
+    def minimums_pointer(self) -> int | None:
+        return None if self.minimums is None else self.minimums.data_ptr()
+
 
 class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_attention_norm", "qkv", "o", "gate_up", "down", "qkv_scales", "o_scales",
-        "gate_up_scales", "down_scales", "qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+        "gate_up_scales", "down_scales", "qkv_mins", "o_mins", "gate_up_mins", "down_mins", "qkv_bias", "o_bias",
+        "gate_up_bias", "down_bias")]
 
 
 class _Chunk(ctypes.Structure):
@@ -419,7 +462,8 @@ class DecodeLayers:
                                 for name, tensor in layer.items() if name not in self.LINEARS}
             entries.append(_Layer(**norms_and_biases,
                                   **{name: layer[name].data.data_ptr() for name in self.LINEARS},
-                                  **{f"{name}_scales": layer[name].scales_pointer for name in self.LINEARS}))
+                                  **{f"{name}_scales": layer[name].scales_pointer for name in self.LINEARS},
+                                  **{f"{name}_mins": layer[name].minimums_pointer for name in self.LINEARS}))
         self.layers = layers
         self.table = (_Layer * len(entries))(*entries)
         if len(groups) != 1:
@@ -465,6 +509,51 @@ def _quantize_int8(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (grouped.abs().amax(dim=-1) / 127).half()
     quantized = torch.round(grouped / scales.float()[..., None].clamp_min(torch.finfo(torch.float32).tiny))
     return quantized.clamp(-127, 127).to(torch.int8), scales
+
+
+def _quantize_uint4(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group (the last dimension) as 16 levels from its float16 minimum in float16 steps (round to nearest):
+    the levels (uint8, 0 to 15), the steps and the minimums."""
+    minimums = grouped.amin(dim=-1).half()
+    scales = ((grouped.amax(dim=-1) - minimums.float()) / 15).half()
+    levels = torch.round((grouped - minimums.float()[..., None])
+                         / scales.float()[..., None].clamp_min(torch.finfo(torch.float32).tiny))
+    return levels.clamp(0, 15).to(torch.uint8), scales, minimums
+
+
+def on_uint4_grid(weight: torch.Tensor) -> bool:
+    """Whether ``pack(weight, torch.uint4)`` keeps ``weight`` exactly: each ``UINT4_GROUP`` columns of a row already
+    lie on 16 levels of a float16 step from a float16 minimum, as the weights of a model dequantized from a 4-bit
+    GGUF file (Q4_1) do."""
+    if weight.shape[-1] % UINT4_GROUP:
+        return False
+    grouped = weight.detach().float().reshape(-1, UINT4_GROUP)
+    levels, scales, minimums = _quantize_uint4(grouped)
+    return torch.equal(levels.float() * scales.float()[:, None] + minimums.float()[:, None], grouped)
+
+
+def _uint4_blocks(width: int) -> list[tuple[int, int]]:
+    """The blocks ``int4_linear`` reads a row of ``width`` columns in: (first group, groups) each, 8 groups a block
+    while they last, then 4, then 2 (int4_block_groups in cpu_kernels.c)."""
+    blocks, first, groups_left = [], 0, width // UINT4_GROUP
+    while groups_left:
+        groups = 8 if groups_left >= 8 else 4 if groups_left >= 4 else 2
+        blocks.append((first, groups))
+        first, groups_left = first + groups, groups_left - groups
+    return blocks
+
+
+@functools.cache
+def _uint4_order(width: int) -> torch.Tensor:
+    """The columns of a row in the order ``int4_linear`` multiplies them (cpu_kernels.c): in a block of G groups,
+    the p-th pair of adjacent columns of its group g at pair position p · G + g, so that each int32 lane of
+    vpmaddwd's sums holds one group's products."""
+    order = []
+    for first, groups in _uint4_blocks(width):
+        for pair in range(UINT4_GROUP // 2):
+            for group in range(first, first + groups):
+                order += [group * UINT4_GROUP + 2 * pair, group * UINT4_GROUP + 2 * pair + 1]
+    return torch.tensor(order)
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:

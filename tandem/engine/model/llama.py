@@ -304,16 +304,16 @@ class CausalLM(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def use_cpu_kernels(self, kernels: CpuKernels | None, decode_dtype: torch.dtype | None,
+    def use_cpu_kernels(self, kernels: CpuKernels | None, decode_weights: str | None,
                         batched_dtype: torch.dtype = torch.float32, prefill_attention_dtype: torch.dtype | None = None
                         ) -> None:
         """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN in
         ``batched_dtype`` (float32 or bfloat16), run prefill chunks' attention in ``prefill_attention_dtype``
         (None: float32), and, with ``kernels`` that take this model's head layout, run
         norms, rotary embeddings, cache writes, activations and decode attention (the runner then passes block
-        tables) through them, and, with a ``decode_dtype`` (float16 or int8), the linears of steps of few rows,
-        on a copy of the weights in it; then a step of decodes alone runs all the decoder layers in one kernel
-        call."""
+        tables) through them, and, with ``decode_weights`` (float16, int8 or auto: ``CpuKernels.decode_dtype``), the
+        linears of steps of few rows, on a copy of the weights in it; then a step of decodes alone runs all the
+        decoder layers in one kernel call."""
         attention = self.layers[0].self_attn
         usable = kernels is not None and kernels.supports_attention(
             attention.num_heads, attention.num_kv_heads, attention.head_dim)
@@ -321,9 +321,10 @@ class CausalLM(nn.Module):
         for module in list(self.modules()):
             for name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear):
-                    packs = usable and decode_dtype is not None and kernels.packs(child.in_features, decode_dtype)
-                    setattr(module, name, PackedLinear(child, kernels if packs else None, decode_dtype, batched_dtype,
-                                                       batched_kernels=kernels,
+                    decode_dtype = kernels.decode_dtype(child.weight, decode_weights) \
+                        if usable and decode_weights else None
+                    setattr(module, name, PackedLinear(child, kernels if decode_dtype is not None else None,
+                                                       decode_dtype, batched_dtype, batched_kernels=kernels,
                                                        gated=usable and name == "gate_up_proj"))
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
@@ -343,6 +344,13 @@ class CausalLM(nn.Module):
             self.decode_layers = DecodeLayers(tables, self.config.hidden_size, attention.num_heads,
                                               attention.num_kv_heads, attention.head_dim,
                                               self.config.intermediate_size, self.norm.eps, attention.scale)
+
+    @property
+    def decode_weights(self) -> str | None:
+        """The dtypes of the decode copy of the linears' weights (as "uint4+int8"), or None without one."""
+        dtypes = {str(module.decode_weight.dtype).removeprefix("torch.") for module in self.modules()
+                  if isinstance(module, PackedLinear) and module.decode_weight is not None}
+        return "+".join(sorted(dtypes, reverse=True)) or None
 
     @property
     def decode_rows(self) -> int:
@@ -380,9 +388,9 @@ class PackedLinear(nn.Module):
     float32, reordered for oneDNN, or ``batched_dtype`` bfloat16, multiplied by the rows rounded to bfloat16 with
     float32 sums: in AMX tiles through ``batched_kernels`` where they take it (the AMX build), else reordered for
     oneDNN. With ``decode_kernels``, steps of at most ``decode_rows`` rows multiply by a copy of the weight in
-    ``decode_dtype`` (float16, or int8 with a scale per group of columns) through their ``linear`` instead, in
-    float32 arithmetic: there the multiply is bound by reading the weights, and the copy has half or a quarter of
-    the bytes.
+    ``decode_dtype`` (float16, int8 with a scale per group of columns, or uint4 with a step and a minimum per group)
+    through their ``linear`` instead: there the multiply is bound by reading the weights, and the copy has half,
+    a quarter or an eighth of the bytes.
     """
 
     def __init__(self, linear: nn.Linear, decode_kernels: CpuKernels | None = None,

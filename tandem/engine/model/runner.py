@@ -72,8 +72,9 @@ class ModelRunner:
         max_model_len: context limit; defaults to the model's ``max_position_embeddings``.
         decode_weights: for a float32 model on the CPU, the weights that steps of few rows (decodes) read:
             "int8" keeps a second, quarter-size copy for them (each 32 columns of a row scaled to ±127),
-            "float16" a half-size one, read by the CPU kernels in float32 arithmetic (float32 where those
-            cannot run here); "float32": none.
+            "float16" a half-size one, read by the CPU kernels (float32 where those cannot run here); "auto"
+            keeps each weight that lies on a 4-bit grid in those 4 bits, exactly, and the others in int8;
+            "float32": none.
         cuda_graphs: run steps of decodes alone through CUDA graphs (``decode_graphs``); None: on CUDA, where
             an eager step is bound by kernel launches (on an H200, 15.6 ms eager against 3.3 ms replayed at
             batch 1). Off CUDA the padded steps run eagerly, which only the tests want.
@@ -110,18 +111,18 @@ class ModelRunner:
             raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}; got {decode_weights!r}")
         if batched_weights not in BATCHED_WEIGHTS:
             raise ValueError(f"batched_weights must be one of {', '.join(BATCHED_WEIGHTS)}; got {batched_weights!r}")
-        self.decode_dtype = self.batched_dtype = self.prefill_attention_dtype = self.dtype
+        self.batched_dtype = self.prefill_attention_dtype = self.dtype
         kernels = None
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
-            packed_dtype = None if decode_weights == "float32" else getattr(torch, decode_weights)
             self.batched_dtype = getattr(torch, resolved_batched_weights(batched_weights, decode_weights))
             # bfloat16 prefill attention is 2-2.5x faster than float32 on AMX tiles, and no faster without
             if self.batched_dtype == torch.bfloat16 and amx_tiles():
                 self.prefill_attention_dtype = torch.bfloat16
-            self.model.use_cpu_kernels(kernels, packed_dtype, self.batched_dtype, self.prefill_attention_dtype)
-            if self.model.uses_cpu_kernels and packed_dtype is not None:
-                self.decode_dtype = packed_dtype
+            self.model.use_cpu_kernels(kernels, None if decode_weights == "float32" else decode_weights,
+                                       self.batched_dtype, self.prefill_attention_dtype)
+        # the dtypes of the decode copy of the weights (as "uint4+int8"), or the model's where there is none
+        self.decode_weights = self.model.decode_weights or str(self.dtype).removeprefix("torch.")
         self.vocab_size = config.vocab_size
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.eos_token_ids = eos_token_ids(config, model_dir)
@@ -139,11 +140,11 @@ class ModelRunner:
         self._mask_timer = MaskTimer()
         self.decode_graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, self.cos_table, self.sin_table,
                                           num_slots - 1, self.max_model_len) if cuda_graphs else None
-        if self.decode_dtype != self.dtype:  # a CPU model with a decode copy of its weights
+        if self.model.decode_weights:  # a CPU model with a decode copy of its weights
             self.model.decode_rows = crossover.measured_decode_rows(
                 self._crossover_combination(kernels), self.decode_step, self.num_kv_blocks)
         logger.info("model %s on %s (%s, %s weights for steps of up to %d rows, %s for larger ones): %d KV blocks of "
-                    "%d tokens", model_dir, self.device, self.dtype, self.decode_dtype, self.model.decode_rows,
+                    "%d tokens", model_dir, self.device, self.dtype, self.decode_weights, self.model.decode_rows,
                     self.batched_dtype, self.num_kv_blocks, block_size)
 
     def _crossover_combination(self, kernels: cpu_kernels.CpuKernels) -> dict:
@@ -151,7 +152,7 @@ class ModelRunner:
         config = self.config
         return {"cpu": cpu_kernels.cpu_info("model name"), "kernels": kernels.library.name,
                 "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "decode_weights": str(self.decode_dtype), "batched_weights": str(self.batched_dtype),
+                "decode_weights": self.decode_weights, "batched_weights": str(self.batched_dtype),
                 "model": [config.hidden_size, config.intermediate_size, config.num_hidden_layers,
                           config.num_attention_heads, config.num_key_value_heads, self.head_dim, config.vocab_size]}
 
