@@ -3,7 +3,8 @@ revision, both in the widest instruction set this CPU runs, loaded into one proc
 so that a change to the kernels is measured against the code before it under the same load.
 
 Timed: every linear layer of the default model's shape (30 layers and the output head, each with its
-own weights) at 1 and 8 rows, in float16 and in int8 (the default's decode weights), and decode attention
+own weights) at 1 and 8 rows, in float16, int8 and uint4 (the default's decode weights on the default model's
+layers), and decode attention
 over 30 layers (each with its own cache) for one sequence of 600 positions and for 8 sequences of about 600
 sharing a 496-token prefix, as in the burst.
 Writes bench/results/kernels-ab.json.
@@ -30,7 +31,7 @@ from weights import HEAD, LAYER
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = "tandem/engine/model/cpu_kernels.c"
 LAYERS, BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
-FORMATS = {torch.float16: "float16", torch.int8: "int8"}
+FORMATS = {torch.float16: "float16", torch.int8: "int8", torch.uint4: "uint4"}
 
 
 def build(source_text: str, isa: str, directory: Path, name: str) -> CpuKernels:

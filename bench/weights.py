@@ -2,13 +2,13 @@
 (30 layers and the output head, each with its own weights, so nothing stays in cache), multiplied by
 1 to 32 rows, as oneDNN's packed fp32, float16 through Tandem's kernel (tandem/engine/model/cpu_kernels.c;
 the widest build this CPU runs, and beside it each narrower one: AVX2 on an AVX-512 CPU), int8 through
-the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``, the default; per 32
-columns through each narrower build too: AVX-512 and AVX2 on an AMX CPU), bf16
-through F.linear and, in the AMX build, through Tandem's tiles (the batched path there), and int8 through
-torch's int8 kernel.
+the same kernel with a scale per row, per 64 columns and per 32 columns (``INT8_GROUP``; per 32
+columns through each narrower build too: AVX-512 and AVX2 on an AMX CPU), the default model's default decode
+copy (``auto``: the layers in uint4, the output head in int8 in groups of 32), bf16 through F.linear and, in the
+AMX build, through Tandem's tiles (the batched path there), and int8 through torch's int8 kernel.
 
-It reports the most rows at which the default format (int8 in groups of ``INT8_GROUP``) beats packed fp32.
-Then whole decode steps of the default model: 1 to 64 rows on the int8 decode copy through the one-call
+It reports the most rows at which the default decode copy beats packed fp32.
+Then whole decode steps of the default model: 1 to 64 rows on its default decode copy through the one-call
 kernel against the same step layer by layer on each kind of batched weights (float32, and bfloat16 where
 the CPU multiplies it), and the crossover a worker uses here (``tandem/engine/model/crossover.py``).
 Writes bench/results/weights.json.
@@ -62,6 +62,7 @@ def main() -> None:
     f16_narrower = {other: [other.pack(w, torch.float16) for w in weights] for other in narrower}
     int8_narrower = {other: [other.pack(w, torch.int8) for w in weights] for other in narrower}
     int8_kernel = {group: [kernels.pack(w, torch.int8, group) for w in weights] for group in INT8_GROUPS}
+    auto = [kernels.pack(w, torch.uint4) for w in weights[:-1]] + int8_kernel[cpu_kernels.INT8_GROUP][-1:]
     bf16 = [w.bfloat16() for w in weights]
     bf16_tiles = [kernels.pack_bfloat16(w) for w in weights] if kernels.tiles_bfloat16(LAYER[0][1]) else []
     scales = [w.abs().amax(1) / 127 for w in weights]
@@ -84,6 +85,7 @@ def main() -> None:
             **{f"int8_kernel_g{cpu_kernels.INT8_GROUP}_{other.isa}":
                lambda other=other: [other.linear(inputs[w.in_features], w, None) for w in int8_narrower[other]]
                for other in narrower},
+            "auto_kernel": lambda: [kernels.linear(inputs[w.in_features], w, None) for w in auto],
             "bf16": lambda: [F.linear(inputs[s[1]].bfloat16(), w).float() for w, s in zip(bf16, shapes)],
             **({"bf16_tiles": lambda: [kernels.linear_bfloat16(inputs[w.in_features].bfloat16(), w, None, torch.float32)
                                        for w in bf16_tiles]} if bf16_tiles else {}),
@@ -93,12 +95,11 @@ def main() -> None:
         print(rows, "rows:", ", ".join(f"{name} {ms:.1f} ms" for name, ms in report["ms_per_step"][rows].items()), flush=True)
         del packed
     report["decode_steps"] = {batched: whole_decode_steps(batched) for batched in batched_weights()}
-    default = f"int8_kernel_g{cpu_kernels.INT8_GROUP}"
     report["default_kernel_faster_up_to_rows"] = max((rows for rows, ms in report["ms_per_step"].items()
-                                                      if ms[default] < ms["fp32_packed"]), default=0)
+                                                      if ms["auto_kernel"] < ms["fp32_packed"]), default=0)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "weights.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"the default int8 kernel is faster than packed fp32 up to {report['default_kernel_faster_up_to_rows']} rows; "
+    print(f"the default decode copy is faster than packed fp32 up to {report['default_kernel_faster_up_to_rows']} rows; "
           f"wrote {RESULTS / 'weights.json'}")
 
 
@@ -109,14 +110,15 @@ def batched_weights() -> list[str]:
 def whole_decode_steps(batched: str) -> dict:
     """Step times of the default model on both paths at every size the crossover considers, and the rows up to
     which a worker here reads the decode copy (as recorded, or measured now)."""
-    runner = ModelRunner(resolve_model(None), decode_weights="int8", batched_weights=batched,
+    runner = ModelRunner(resolve_model(None), batched_weights=batched,
                          cache=CacheConfig(num_kv_blocks=max(crossover.LADDER)))
+    copy = runner.decode_weights
     ms = {}
     for rows in crossover.LADDER:
         decode_copy_s, batched_s = crossover.step_seconds(runner.decode_step, rows)
-        ms[rows] = {"int8_one_call": decode_copy_s * 1000, f"{batched}_layer_by_layer": batched_s * 1000}
-        print(f"decode step of {rows} rows: int8 decode copy {ms[rows]['int8_one_call']:.1f} ms, {batched} batched "
-              f"weights {ms[rows][f'{batched}_layer_by_layer']:.1f} ms", flush=True)
+        ms[rows] = {f"{copy}_one_call": decode_copy_s * 1000, f"{batched}_layer_by_layer": batched_s * 1000}
+        print(f"decode step of {rows} rows: {copy} decode copy {decode_copy_s * 1000:.1f} ms, {batched} batched "
+              f"weights {batched_s * 1000:.1f} ms", flush=True)
     print(f"with {batched} batched weights, steps of up to {runner.model.decode_rows} rows read the decode copy here")
     return {"ms_per_step": ms, "decode_rows": runner.model.decode_rows}
 

@@ -394,27 +394,25 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
         return -2;
     int16_t *xq = (int16_t *)area;
     float *lane_scales = (float *)(xq + rows * k_size), *lane_sums = lane_scales + rows * lanes;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            quantize_row_int4(x + m * k_size, k_size, xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            int64_t n = t * TILE_N;
-            int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
-            const uint8_t *wt = w + n * k_size / 2;
-            const uint16_t *st = scales + n * groups, *mt = mins + n * groups;
-            const float *bt = bias ? bias + n : 0;
-            for (int64_t m = 0; m < rows; m += INT4_ROWS) {
+    /* a row or a few are quickly rounded by this thread alone, sparing the tiles' threads a barrier */
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > INT4_ROWS)
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row_int4(x + m * k_size, k_size, xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n = t * TILE_N;
+        int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
+        const uint8_t *wt = w + n * k_size / 2;
+        const uint16_t *st = scales + n * groups, *mt = mins + n * groups;
+        const float *bt = bias ? bias + n : 0;
+        for (int64_t m = 0; m < rows; m += INT4_ROWS) {
 #define INT4_ROWS_CASE(count) \
-    case count: int4_tile(xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes, k_size, lanes, k_size, wt, \
-                          st, mt, bt, y + m * n_size + n, n_size, count, columns); break;
-                switch (rows - m < INT4_ROWS ? rows - m : INT4_ROWS) {
-                    INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
-                }
-#undef INT4_ROWS_CASE
+    case count: int4_tile(xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes, k_size, lanes, k_size, wt, st, \
+                          mt, bt, y + m * n_size + n, n_size, count, columns); break;
+            switch (rows - m < INT4_ROWS ? rows - m : INT4_ROWS) {
+                INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
             }
+#undef INT4_ROWS_CASE
         }
     }
     free(area);
