@@ -10,7 +10,8 @@
  * threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass over it. Built with AVX-512
  * (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and the weights are packed for that width.
  * One row against int8 weights (a single stream's decode step) multiplies in integers instead (one_row_tile):
- * widening and scaling every weight to float32 would bound it by arithmetic, not by reading the weights.
+ * widening and scaling every weight to float32 would bound it by arithmetic, not by reading the weights. 4-bit
+ * weights (an eighth of the bytes, on llama.cpp's Q4_1 grid) multiply every row in integers (int4_linear).
  * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and steps of many rows multiply in tiles
  * (amx_linear below).
  *

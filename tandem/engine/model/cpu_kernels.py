@@ -1,8 +1,10 @@
 """CPU kernels for the steps of a float32 model (``cpu_kernels.c``), built on first use.
 
-- ``linear``: rows times a float16 weight (half the bytes of a float32 weight) or an int8 weight with a
-  scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), packed by ``pack``, in float32
-  arithmetic; in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
+- ``linear``: rows times a float16 weight (half the bytes of a float32 weight), an int8 weight with a
+  scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), or a uint4 weight with a step and a
+  minimum per group of ``UINT4_GROUP`` columns (an eighth, plus those), packed by ``pack``; float16 and int8
+  steps of several rows in float32 arithmetic, one int8 row and every uint4 row rounded to int16 and multiplied
+  in integers; in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
   with float32 sums;
 - ``linear_bfloat16`` (the AMX build): bfloat16 rows times a bfloat16 weight packed by ``pack_bfloat16``, in
   AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
