@@ -344,11 +344,11 @@ static inline __attribute__((always_inline)) void int4_block(
     }
 }
 
-/* rows_m rows (quantized by quantize_row_int4, `stride` stream positions and `lanes_stride` lanes apart) against
+/* rows_m rows (quantized by quantize_row_int4, k_size stream positions and `lanes_stride` lanes apart) against
  * tile `w` of `columns` weight rows; rows_m is a constant at every call site. */
 static inline __attribute__((always_inline)) void int4_tile(
-    const int16_t *xq, const float *lane_scales, const float *lane_sums, int64_t stride, int64_t lanes_stride,
-    int64_t k_size, const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *bias, float *y,
+    const int16_t *xq, const float *lane_scales, const float *lane_sums, int64_t lanes_stride, int64_t k_size,
+    const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *bias, float *y,
     int64_t ldy, int rows_m, int columns)
 {
     __m256 acc[INT4_ROWS][TILE_N];
@@ -358,7 +358,7 @@ static inline __attribute__((always_inline)) void int4_tile(
     for (int64_t start = 0, b = 0; start < k_size; b++) {
         int groups = int4_block_groups(k_size - start);
 #define INT4_BLOCK(count) \
-    case count: int4_block(xq + start, lane_scales + b * 8, lane_sums + b * 8, stride, lanes_stride, w, scales, mins, \
+    case count: int4_block(xq + start, lane_scales + b * 8, lane_sums + b * 8, k_size, lanes_stride, w, scales, mins, \
                            count, rows_m, acc); break;
         switch (groups) {
             INT4_BLOCK(8) INT4_BLOCK(4) INT4_BLOCK(2)
@@ -408,8 +408,8 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
         const float *bt = bias ? bias + n : 0;
         for (int64_t m = 0; m < rows; m += INT4_ROWS) {
 #define INT4_ROWS_CASE(count) \
-    case count: int4_tile(xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes, k_size, lanes, k_size, wt, st, \
-                          mt, bt, y + m * n_size + n, n_size, count, columns); break;
+    case count: int4_tile(xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes, lanes, k_size, wt, st, mt, \
+                          bt, y + m * n_size + n, n_size, count, columns); break;
             switch (rows - m < INT4_ROWS ? rows - m : INT4_ROWS) {
                 INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
             }
