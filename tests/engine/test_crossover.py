@@ -49,6 +49,16 @@ def test_a_recorded_crossover_is_read_back_and_another_combination_is_timed_besi
     assert len(json.loads((home / "kernels" / "decode-rows.json").read_text())) == 2
 
 
+def test_prompt_chunks_climb_a_ladder_of_their_own_recorded_beside_the_decode_steps(home):
+    timed = []
+    # 0.01 ms a row on the copy against 3 ms: it wins up to 256 rows (2.56 ms), loses at 512 (5.12)
+    rows = crossover.measured_prompt_rows({"cpu": "a"}, sleeping_steps(0.01, 3, timed))
+    assert rows == 256 and {size for size, _ in timed} == {128, 256, 512}
+    crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(2, 20, []), max_rows=64)
+    recorded = json.loads((home / "kernels" / "decode-rows.json").read_text())
+    assert recorded == {json.dumps({"cpu": "a", "path": "prompt linears"}): 256, json.dumps({"cpu": "a"}): 8}
+
+
 def test_the_ladder_stops_at_the_rows_the_cache_can_hold(home):
     timed = []
     assert crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(0, 5, timed), max_rows=10) == 8
@@ -65,9 +75,13 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
 
     first = build()
     assert first.model.decode_rows in (0, *crossover.LADDER)
-    recorded = json.loads((home / "kernels" / "decode-rows.json").read_text())
-    assert list(recorded.values()) == [first.model.decode_rows]
-    assert json.loads(next(iter(recorded)))["decode_weights"] == "int8"
+    recorded = {json.loads(key).get("path", "decode steps"): rows
+                for key, rows in json.loads((home / "kernels" / "decode-rows.json").read_text()).items()}
+    assert recorded["decode steps"] == first.model.decode_rows
+    # prompt chunks are timed only where the copy won every decode step
+    assert recorded.get("prompt linears", 0) == first.model.prompt_rows
+    assert ("prompt linears" in recorded) == (first.model.decode_rows == crossover.LADDER[-1])
+    assert first.model.prompt_rows in (0, *crossover.PROMPT_LADDER)
 
     def untimed(*args):
         raise AssertionError("the recorded figure is read, not timed again")

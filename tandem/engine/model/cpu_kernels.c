@@ -29,6 +29,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -254,166 +255,116 @@ static void quantize_row(const float *x, int64_t k_size, int64_t group, int16_t 
 }
 
 /* 4-bit weights (tandem_linear with `mins`): each 32 columns of a row hold 16 levels, weight = scale · q + min
- * with q in 0..15 and a float16 scale and min, the grid of llama.cpp's Q4_1. A row is read in blocks of G = 8, 4
- * or 2 groups (int4_block_groups), 16 bytes a load, each byte two weights: the low nibbles of one load are 16
- * columns, the high nibbles 16 more. vpmaddwd pairs them with the rows' int16 values into 8 int32 lanes, lane j
- * summing columns of the block's group j mod G only, so that a block's sums are scaled by a vector of its groups'
- * scales, one multiply per block instead of one per group. For that, a block is multiplied in stream order:
- * the p-th pair of adjacent columns of its group g at pair position p · G + g. pack in cpu_kernels.py lays the
- * weights out in that order, [tiles][loads][TILE_N][16 bytes], and the scales and the mins [tiles][blocks][TILE_N]
- * [G]. */
+ * with q in 0..15 and a float16 scale and min, the grid of llama.cpp's Q4_1. The rows of x are rounded to int16 in
+ * each group, and a group's products summed in int32 by vpmaddwd, which multiplies twice as many pairs a cycle as
+ * FMA multiplies floats, so that a step of many rows (a prompt chunk) runs faster in integers than in float32 too.
+ * The weights are laid out as a matrix multiply wants them: in tiles of INT4_TILE_N weight rows (two vectors of
+ * output columns), 32 bytes per 4 columns of x, [tiles][k_size / 4][2][16 bytes], byte j of a vector holding
+ * output column j / 2's weights at columns 4i + j % 2 (its low nibble) and 4i + 2 + j % 2 (its high nibble).
+ * Widened to int16 and split into nibbles, a vector pairs with a broadcast pair of x's int16 values: 8 output
+ * columns' sums of two products each. The scales and the mins are [tiles][k_size / 32][INT4_TILE_N]. */
 #define INT4_GROUP 32
-#define INT4_ROWS 4 /* rows of x against a tile at once: 12 int32 sums of the 16 vector registers */
+#define INT4_TILE_N 16
+#define INT4_ROWS 4 /* rows of x against a tile at once: 8 int32 sums, 4 weight and 2 x vectors in registers */
+#define INT4_ROW_BLOCK 64 /* rows whose int16 values stay in L2 while a thread's tiles pass over them */
 
-static inline int int4_block_groups(int64_t remaining)
+int tandem_linear_int4_tile_rows(void)
 {
-    return remaining >= 8 * INT4_GROUP ? 8 : remaining >= 4 * INT4_GROUP ? 4 : 2;
+    return INT4_TILE_N;
 }
 
-/* One row x, its groups scaled to ±32767 and rounded, into q in stream order; per block, each int32 lane's group
- * scale, and its group's sum of x shared by the group's 8 / G lanes (the mins' term). */
-static void quantize_row_int4(const float *x, int64_t k_size, int16_t *q, float *lane_scales, float *lane_sums)
-{
-    for (int64_t start = 0, b = 0; start < k_size; b++) {
-        int groups = int4_block_groups(k_size - start);
-        int16_t natural[8 * INT4_GROUP];
-        float scale[8], sum[8];
-        for (int g = 0; g < groups; g++)
-            scale[g] = quantize_int16(x + start + g * INT4_GROUP, INT4_GROUP, natural + g * INT4_GROUP, sum + g);
-        for (int g = 0; g < groups; g++)
-            for (int pair = 0; pair < INT4_GROUP / 2; pair++)
-                memcpy(q + start + 2 * (pair * groups + g), natural + g * INT4_GROUP + 2 * pair, 2 * sizeof(int16_t));
-        for (int j = 0; j < 8; j++) {
-            lane_scales[b * 8 + j] = scale[j % groups];
-            lane_sums[b * 8 + j] = sum[j % groups] * groups / 8;
-        }
-        start += groups * INT4_GROUP;
-    }
-}
-
-/* G float16 values, lane j of the 8 taking value j mod G */
-static inline __m256 int4_lanes(const uint16_t *p, int groups)
-{
-    __m128i v;
-    if (groups == 8) {
-        v = _mm_loadu_si128((const __m128i *)p);
-    } else if (groups == 4) {
-        int64_t four;
-        memcpy(&four, p, 8);
-        v = _mm_set1_epi64x(four);
-    } else {
-        int32_t two;
-        memcpy(&two, p, 4);
-        v = _mm_set1_epi32(two);
-    }
-    return _mm256_cvtph_ps(v);
-}
-
-/* One block of `groups` groups (a constant at every call site, as rows_m is) of rows_m rows against TILE_N weight
- * rows: w at the block's first load, scales and mins at its values, ls and lsum at the first row's lanes of it. */
-static inline __attribute__((always_inline)) void int4_block(
-    const int16_t *xq, const float *ls, const float *lsum, int64_t stride, int64_t lanes_stride, const uint8_t *w,
-    const uint16_t *scales, const uint16_t *mins, int groups, int rows_m, __m256 acc[][TILE_N])
+/* rows_m rows of x (int16, k_size apart; their groups' scales and sums `groups` apart) against one tile of
+ * weights, into y (ldy apart); rows_m is a constant at every call site. */
+static inline __attribute__((always_inline)) void int4_tile(
+    const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
+    const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
 {
     const __m256i nibble = _mm256_set1_epi16(0x0F);
-    __m256i sums[INT4_ROWS][TILE_N];
+    const int64_t groups = k_size / INT4_GROUP;
+    __m256 acc[INT4_ROWS][2];
     for (int m = 0; m < rows_m; m++)
-        for (int n = 0; n < TILE_N; n++)
-            sums[m][n] = _mm256_setzero_si256();
-    for (int load = 0; load < groups; load++, w += TILE_N * 16) {
-        _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-        for (int n = 0; n < TILE_N; n++) {
-            __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + n * 16)));
-            __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_srli_epi16(bytes, 4);
+        acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sums[INT4_ROWS][2];
+        for (int m = 0; m < rows_m; m++)
+            sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+        for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
+            if (quad % 2 == 0)
+                _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
+            __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
+            __m256i second = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
+            __m256i low[2] = {_mm256_and_si256(first, nibble), _mm256_and_si256(second, nibble)};
+            __m256i high[2] = {_mm256_srli_epi16(first, 4), _mm256_srli_epi16(second, 4)};
             for (int m = 0; m < rows_m; m++) {
-                const int16_t *xm = xq + m * stride + load * 32;
-                __m256i products = _mm256_add_epi32(
-                    _mm256_madd_epi16(low, _mm256_loadu_si256((const __m256i *)xm)),
-                    _mm256_madd_epi16(high, _mm256_loadu_si256((const __m256i *)(xm + 16))));
-                sums[m][n] = _mm256_add_epi32(sums[m][n], products);
+                const int16_t *xm = xq + m * k_size + g * INT4_GROUP + quad * 4;
+                int32_t pair_low, pair_high;
+                memcpy(&pair_low, xm, 4);
+                memcpy(&pair_high, xm + 2, 4);
+                __m256i x_low = _mm256_set1_epi32(pair_low), x_high = _mm256_set1_epi32(pair_high);
+                for (int v = 0; v < 2; v++) {
+                    sums[m][v] = _mm256_add_epi32(sums[m][v], _mm256_madd_epi16(low[v], x_low));
+                    sums[m][v] = _mm256_add_epi32(sums[m][v], _mm256_madd_epi16(high[v], x_high));
+                }
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * INT4_TILE_N + v * 8)));
+            __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * INT4_TILE_N + v * 8)));
+            for (int m = 0; m < rows_m; m++) {
+                __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[m * groups + g]));
+                acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][v]), row_scale, acc[m][v]);
+                acc[m][v] = _mm256_fmadd_ps(min, _mm256_set1_ps(x_sums[m * groups + g]), acc[m][v]);
             }
         }
     }
-    for (int n = 0; n < TILE_N; n++) {
-        __m256 scale = int4_lanes(scales + n * groups, groups), min = int4_lanes(mins + n * groups, groups);
-        for (int m = 0; m < rows_m; m++) {
-            acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][n]),
-                                        _mm256_mul_ps(scale, _mm256_loadu_ps(ls + m * lanes_stride)), acc[m][n]);
-            acc[m][n] = _mm256_fmadd_ps(min, _mm256_loadu_ps(lsum + m * lanes_stride), acc[m][n]);
-        }
+    for (int m = 0; m < rows_m; m++) {
+        float out[INT4_TILE_N];
+        _mm256_storeu_ps(out, acc[m][0]);
+        _mm256_storeu_ps(out + 8, acc[m][1]);
+        for (int n = 0; n < columns; n++)
+            y[m * ldy + n] = bias ? out[n] + bias[n] : out[n];
     }
-}
-
-/* rows_m rows (quantized by quantize_row_int4, k_size stream positions and `lanes_stride` lanes apart) against
- * tile `w` of `columns` weight rows; rows_m is a constant at every call site. */
-static inline __attribute__((always_inline)) void int4_tile(
-    const int16_t *xq, const float *lane_scales, const float *lane_sums, int64_t lanes_stride, int64_t k_size,
-    const uint8_t *w, const uint16_t *scales, const uint16_t *mins, const float *bias, float *y,
-    int64_t ldy, int rows_m, int columns)
-{
-    __m256 acc[INT4_ROWS][TILE_N];
-    for (int m = 0; m < rows_m; m++)
-        for (int n = 0; n < TILE_N; n++)
-            acc[m][n] = _mm256_setzero_ps();
-    for (int64_t start = 0, b = 0; start < k_size; b++) {
-        int groups = int4_block_groups(k_size - start);
-#define INT4_BLOCK(count) \
-    case count: int4_block(xq + start, lane_scales + b * 8, lane_sums + b * 8, k_size, lanes_stride, w, scales, mins, \
-                           count, rows_m, acc); break;
-        switch (groups) {
-            INT4_BLOCK(8) INT4_BLOCK(4) INT4_BLOCK(2)
-        }
-#undef INT4_BLOCK
-        w += groups * TILE_N * 16;
-        scales += TILE_N * groups;
-        mins += TILE_N * groups;
-        start += groups * INT4_GROUP;
-    }
-    for (int m = 0; m < rows_m; m++)
-        for (int n = 0; n < columns; n++) {
-            float sum = horizontal_sum(acc[m][n]);
-            y[m * ldy + n] = bias ? sum + bias[n] : sum;
-        }
-}
-
-static int64_t int4_blocks(int64_t k_size)
-{
-    int64_t blocks = 0;
-    for (int64_t start = 0; start < k_size; blocks++)
-        start += int4_block_groups(k_size - start) * INT4_GROUP;
-    return blocks;
 }
 
 /* Returns -2 where it cannot allocate its working memory. */
 static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8_t *w, const uint16_t *scales,
                        const uint16_t *mins, int64_t n_size, const float *bias, float *y, int threads)
 {
-    int64_t tiles = (n_size + TILE_N - 1) / TILE_N, lanes = int4_blocks(k_size) * 8;
-    int64_t groups = k_size / INT4_GROUP;
-    char *area = malloc(rows * (k_size * sizeof(int16_t) + 2 * lanes * sizeof(float)));
+    int64_t tiles = (n_size + INT4_TILE_N - 1) / INT4_TILE_N, groups = k_size / INT4_GROUP;
+    char *area = malloc(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
     if (!area)
         return -2;
     int16_t *xq = (int16_t *)area;
-    float *lane_scales = (float *)(xq + rows * k_size), *lane_sums = lane_scales + rows * lanes;
+    float *x_scales = (float *)(xq + rows * k_size), *x_sums = x_scales + rows * groups;
     /* a row or a few are quickly rounded by this thread alone, sparing the tiles' threads a barrier */
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > INT4_ROWS)
     for (int64_t m = 0; m < rows; m++)
-        quantize_row_int4(x + m * k_size, k_size, xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n = t * TILE_N;
-        int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
-        const uint8_t *wt = w + n * k_size / 2;
-        const uint16_t *st = scales + n * groups, *mt = mins + n * groups;
-        const float *bt = bias ? bias + n : 0;
-        for (int64_t m = 0; m < rows; m += INT4_ROWS) {
+        for (int64_t g = 0; g < groups; g++)
+            x_scales[m * groups + g] = quantize_int16(x + m * k_size + g * INT4_GROUP, INT4_GROUP,
+                                                      xq + m * k_size + g * INT4_GROUP, x_sums + m * groups + g);
+    /* each thread its own run of tiles, so that they pass over one block of rows after another */
+#pragma omp parallel num_threads(threads)
+    {
+        int team = omp_get_num_threads(), thread = omp_get_thread_num();
+        int64_t first = tiles * thread / team, last = tiles * (thread + 1) / team;
+        for (int64_t block = 0; block < rows; block += INT4_ROW_BLOCK) {
+            int64_t block_end = block + INT4_ROW_BLOCK < rows ? block + INT4_ROW_BLOCK : rows;
+            for (int64_t t = first; t < last; t++) {
+                int64_t n = t * INT4_TILE_N;
+                int columns = n_size - n < INT4_TILE_N ? (int)(n_size - n) : INT4_TILE_N;
+                const uint8_t *wt = w + n * k_size / 2;
+                const uint16_t *st = scales + n * groups, *mt = mins + n * groups;
+                const float *bt = bias ? bias + n : 0;
+                for (int64_t m = block; m < block_end; m += INT4_ROWS) {
 #define INT4_ROWS_CASE(count) \
-    case count: int4_tile(xq + m * k_size, lane_scales + m * lanes, lane_sums + m * lanes, lanes, k_size, wt, st, mt, \
-                          bt, y + m * n_size + n, n_size, count, columns); break;
-            switch (rows - m < INT4_ROWS ? rows - m : INT4_ROWS) {
-                INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
-            }
+    case count: int4_tile(xq + m * k_size, x_scales + m * groups, x_sums + m * groups, k_size, wt, st, mt, bt, \
+                          y + m * n_size + n, n_size, count, columns); break;
+                    switch (block_end - m < INT4_ROWS ? block_end - m : INT4_ROWS) {
+                        INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
+                    }
 #undef INT4_ROWS_CASE
+                }
+            }
         }
     }
     free(area);
@@ -481,7 +432,6 @@ static inline void store_sixteen(void *p, int64_t i, __m512 v, int bf16)
  * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer once for
  * every 32 rows of x; the rows are rounded to bfloat16 once per call, and each tile of 16 of them meets
  * AMX_BLOCKS blocks. */
-#include <omp.h>
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>

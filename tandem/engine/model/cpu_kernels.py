@@ -71,6 +71,7 @@ class CpuKernels:
         self._linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         self._linear.restype = ctypes.c_int
         self.tile_rows = c.tandem_linear_tile_rows()
+        self.uint4_tile_rows = c.tandem_linear_int4_tile_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
         self.int8_chunk = c.tandem_linear_int8_chunk()  # the same for int8 weights
         # weight rows per block of the AMX build's int8 and bfloat16 layout (0: no AMX build; int8 is tiled as
@@ -146,23 +147,23 @@ class CpuKernels:
     def _pack_uint4(self, weight: torch.Tensor) -> "PackedWeight":
         """Each ``UINT4_GROUP`` columns of a row as 16 levels from its minimum to its maximum (round to nearest),
         its float16 step and minimum kept: llama.cpp's Q4_1 grid, exact for a weight that lies on one. Laid out
-        as ``int4_linear`` in cpu_kernels.c reads it: per tile, 16-byte loads of each of its rows in turn, two
-        weights a byte in ``_uint4_order``; the scales and the minimums per tile, block and row."""
+        as ``int4_linear`` in cpu_kernels.c reads it: per tile of ``uint4_tile_rows`` rows, 16 bytes per 4 columns
+        and 8 rows, byte j holding row j // 2's columns j % 2 (low nibble) and 2 + j % 2 (high nibble); the steps
+        and the minimums per tile, group and row."""
         rows, width = weight.shape
-        padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width)
+        tile = self.uint4_tile_rows
+        padded = torch.zeros(-(-rows // tile) * tile, width)
         padded[:rows] = weight.float()
         levels, scales, minimums = _quantize_uint4(padded.view(len(padded), width // UINT4_GROUP, UINT4_GROUP))
-        stream = levels.view(len(padded), width)[:, _uint4_order(width)].view(len(padded), -1, 2, 16)
-        packed = stream[:, :, 0] | stream[:, :, 1] << 4  # [rows, loads, 16]
-        tiles = len(padded) // self.tile_rows
-        data = packed.view(tiles, self.tile_rows, -1, 16).transpose(1, 2).contiguous()
+        tiles = len(padded) // tile
+        # [tiles, vectors, rows of a vector, fours of columns, low or high nibble, column of a pair]
+        nibbles = levels.view(tiles, 2, tile // 2, width // 4, 2, 2)
+        data = (nibbles[:, :, :, :, 0] | nibbles[:, :, :, :, 1] << 4).permute(0, 3, 1, 2, 4).contiguous()
 
-        def per_block(values: torch.Tensor) -> torch.Tensor:
-            values = values.view(tiles, self.tile_rows, -1)
-            return torch.cat([values[:, :, first:first + groups].flatten(1)
-                              for first, groups in _uint4_blocks(width)], dim=1).contiguous()
+        def per_group(values: torch.Tensor) -> torch.Tensor:
+            return values.view(tiles, tile, -1).transpose(1, 2).contiguous()
 
-        return PackedWeight(data, per_block(scales), rows, width, UINT4_GROUP, minimums=per_block(minimums))
+        return PackedWeight(data, per_group(scales), rows, width, UINT4_GROUP, minimums=per_group(minimums))
 
     def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
         """The AMX build's int8 layout (``_amx_blocks``), and a scale per row and 32 columns."""
@@ -248,9 +249,9 @@ class CpuKernels:
 
     def _step(self, dtype: torch.dtype) -> int:
         """The columns of a row that ``pack`` keeps together for ``dtype``: its rows' width and its int8 scale
-        groups are a multiple of it (uint4: the fewest columns its layout takes, two scale groups)."""
+        groups are a multiple of it (uint4: a scale group)."""
         if dtype == torch.uint4:
-            return 2 * UINT4_GROUP
+            return UINT4_GROUP
         if dtype != torch.int8:
             return self.chunk
         return 32 if self.amx_block_rows else self.int8_chunk
@@ -532,30 +533,6 @@ def on_uint4_grid(weight: torch.Tensor) -> bool:
     grouped = weight.detach().float().reshape(-1, UINT4_GROUP)
     levels, scales, minimums = _quantize_uint4(grouped)
     return torch.equal(levels.float() * scales.float()[:, None] + minimums.float()[:, None], grouped)
-
-
-def _uint4_blocks(width: int) -> list[tuple[int, int]]:
-    """The blocks ``int4_linear`` reads a row of ``width`` columns in: (first group, groups) each, 8 groups a block
-    while they last, then 4, then 2 (int4_block_groups in cpu_kernels.c)."""
-    blocks, first, groups_left = [], 0, width // UINT4_GROUP
-    while groups_left:
-        groups = 8 if groups_left >= 8 else 4 if groups_left >= 4 else 2
-        blocks.append((first, groups))
-        first, groups_left = first + groups, groups_left - groups
-    return blocks
-
-
-@functools.cache
-def _uint4_order(width: int) -> torch.Tensor:
-    """The columns of a row in the order ``int4_linear`` multiplies them (cpu_kernels.c): in a block of G groups,
-    the p-th pair of adjacent columns of its group g at pair position p · G + g, so that each int32 lane of
-    vpmaddwd's sums holds one group's products."""
-    order = []
-    for first, groups in _uint4_blocks(width):
-        for pair in range(UINT4_GROUP // 2):
-            for group in range(first, first + groups):
-                order += [group * UINT4_GROUP + 2 * pair, group * UINT4_GROUP + 2 * pair + 1]
-    return torch.tensor(order)
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:

@@ -6,6 +6,10 @@ is bound by arithmetic, where oneDNN's kernels on the batched weights win (bfloa
 multiplies bfloat16). Where the two cross depends on the CPU, the model's shape, the two formats and the
 threads, so it is timed on whole decode steps, once for each such combination on a machine, and kept in
 ``$TANDEM_HOME/kernels/decode-rows.json``. ``make bench-weights`` reports it beside the per-layer timings.
+
+A copy that wins every step size up to the largest decode step may win on prompt chunks too: uint4 weights,
+multiplied in integers, beat float32 ones there on a CPU without bfloat16 arithmetic. How far, in rows, is timed
+on one decoder layer's linears (a chunk's attention is the same on either path) and kept in the same file.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # The step sizes timed, in rows. A step of more rows than the largest reads the batched weights.
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# The prompt chunk sizes timed where the copy wins all of LADDER, up to the longest chunk a step takes by default
+# (SchedulerConfig.max_prefill_step_tokens).
+PROMPT_LADDER = (128, 256, 512, 1024, 2048, 4096)
 REPEATS = 3  # timed runs of each path at each size, interleaved; the fastest counts
 
 
@@ -32,20 +39,31 @@ def measured_decode_rows(combination: dict, time_step: Callable[[int, bool], Non
     on the batched weights, as must every smaller size: the figure recorded for ``combination`` (what the
     timing depends on, JSON-ready), or else timed now and recorded. ``time_step(rows, decode_copy)`` runs
     one step of ``rows`` decodes on either path."""
+    return _measured(combination, time_step, LADDER, max_rows)
+
+
+def measured_prompt_rows(combination: dict, time_linears: Callable[[int, bool], None]) -> int:
+    """The same on ``PROMPT_LADDER`` for prompt chunks, 0 where the copy loses at its first size:
+    ``time_linears(rows, decode_copy)`` multiplies ``rows`` rows by one decoder layer's linears on either path."""
+    return _measured({**combination, "path": "prompt linears"}, time_linears, PROMPT_LADDER, PROMPT_LADDER[-1])
+
+
+def _measured(combination: dict, time_rows: Callable[[int, bool], None], ladder: tuple[int, ...],
+              max_rows: int) -> int:
     path = tandem_home() / "kernels" / "decode-rows.json"
     key = json.dumps(combination, sort_keys=True)
     recorded = _read(path)
     if key in recorded:
         return recorded[key]
-    rows = _crossover(time_step, max_rows)
+    rows = _crossover(time_rows, ladder, max_rows)
     _record(path, key, rows)
     logger.info("steps of up to %d rows read the decode copy of the weights (measured here for %s)", rows, key)
     return rows
 
 
-def _crossover(time_step: Callable[[int, bool], None], max_rows: int) -> int:
+def _crossover(time_step: Callable[[int, bool], None], ladder: tuple[int, ...], max_rows: int) -> int:
     rows = 0
-    for size in (size for size in LADDER if size <= max_rows):
+    for size in (size for size in ladder if size <= max_rows):
         decode_copy_s, batched_s = step_seconds(time_step, size)
         if decode_copy_s > batched_s:
             break

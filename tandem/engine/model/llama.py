@@ -234,7 +234,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_layers: DecodeLayers | None = None  # with the CPU kernels and float16 weights
-        self._decode_rows = 0
+        self._decode_rows = self._prompt_rows = 0
         self._batched_activations: torch.dtype | None = None  # bfloat16 with bfloat16 batched weights
 
     def forward(
@@ -269,7 +269,7 @@ class CausalLM(nn.Module):
                 cos = cos_table.index_select(0, positions).unsqueeze(1)
                 sin = sin_table.index_select(0, positions).unsqueeze(1)
             # Rows that the batched bfloat16 weights multiply are rounded to bfloat16 where they are made.
-            activations = self._batched_activations if len(input_ids) > self._decode_rows else None
+            activations = self._batched_activations if len(input_ids) > self._layer_copy_rows else None
             for index, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta,
                                     activations)
@@ -355,16 +355,40 @@ class CausalLM(nn.Module):
     @property
     def decode_rows(self) -> int:
         """The most rows a step may have and still read the decode copy of the weights (a step of decodes
-        alone then runs every layer in one kernel call); larger steps read the batched weights. 0 until set,
-        which the runner does with the crossover it measures (``crossover.measured_decode_rows``)."""
+        alone then runs every layer in one kernel call); larger steps read the batched weights, unless
+        ``prompt_rows`` says otherwise. 0 until set, which the runner does with the crossover it measures
+        (``crossover.measured_decode_rows``)."""
         return self._decode_rows
 
     @decode_rows.setter
     def decode_rows(self, rows: int) -> None:
         self._decode_rows = rows
-        for module in self.modules():
-            if isinstance(module, PackedLinear):
-                module.decode_rows = rows
+        self._set_copy_rows()
+
+    @property
+    def prompt_rows(self) -> int:
+        """The most rows a step may have and still multiply the decoder layers' weights by their decode copy, where
+        that is more than ``decode_rows``: the copy's kernel beats the batched weights on prompt chunks too (uint4,
+        multiplied in integers). 0 (only ``decode_rows``) until the runner sets it from the crossover it measures
+        (``crossover.measured_prompt_rows``). The output head keeps to ``decode_rows``."""
+        return self._prompt_rows
+
+    @prompt_rows.setter
+    def prompt_rows(self, rows: int) -> None:
+        self._prompt_rows = rows
+        self._set_copy_rows()
+
+    @property
+    def _layer_copy_rows(self) -> int:
+        return max(self._decode_rows, self._prompt_rows)
+
+    def _set_copy_rows(self) -> None:
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, PackedLinear):
+                    module.decode_rows = self._layer_copy_rows
+        if isinstance(self.lm_head, PackedLinear):
+            self.lm_head.decode_rows = self._decode_rows
 
     @property
     def cpu_kernels(self) -> CpuKernels | None:

@@ -141,11 +141,14 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.model, self.k_cache, self.v_cache, self.cos_table, self.sin_table,
                                           num_slots - 1, self.max_model_len) if cuda_graphs else None
         if self.model.decode_weights:  # a CPU model with a decode copy of its weights
-            self.model.decode_rows = crossover.measured_decode_rows(
-                self._crossover_combination(kernels), self.decode_step, self.num_kv_blocks)
-        logger.info("model %s on %s (%s, %s weights for steps of up to %d rows, %s for larger ones): %d KV blocks of "
-                    "%d tokens", model_dir, self.device, self.dtype, self.decode_weights, self.model.decode_rows,
-                    self.batched_dtype, self.num_kv_blocks, block_size)
+            combination = self._crossover_combination(kernels)
+            self.model.decode_rows = crossover.measured_decode_rows(combination, self.decode_step, self.num_kv_blocks)
+            if self.model.decode_rows == crossover.LADDER[-1]:
+                self.model.prompt_rows = crossover.measured_prompt_rows(combination, self.prompt_linears)
+        logger.info("model %s on %s (%s, %s weights for steps of up to %d rows and prompt chunks of up to %d, %s "
+                    "for larger ones): %d KV blocks of %d tokens", model_dir, self.device, self.dtype,
+                    self.decode_weights, self.model.decode_rows, self.model.prompt_rows, self.batched_dtype,
+                    self.num_kv_blocks, block_size)
 
     def _crossover_combination(self, kernels: cpu_kernels.CpuKernels) -> dict:
         """What the step times that set ``decode_rows`` depend on."""
@@ -160,7 +163,8 @@ class ModelRunner:
     def decode_step(self, rows: int, decode_copy: bool) -> None:
         """One step of ``rows`` decodes, each at the end of a KV block of its own (blocks 0 to rows - 1, before
         any request holds them), on the decode copy of the weights or on the batched ones."""
-        chosen, self.model.decode_rows = self.model.decode_rows, rows if decode_copy else 0
+        chosen = self.model.decode_rows, self.model.prompt_rows
+        self.model.decode_rows, self.model.prompt_rows = rows if decode_copy else 0, 0
         size = self.block_size
         positions = torch.full((rows,), size - 1)
         tables = BlockTables([torch.tensor([row]) for row in range(rows)], [size] * rows, size)
@@ -170,7 +174,21 @@ class ModelRunner:
             self.model(torch.zeros(rows, dtype=torch.long), positions, self.k_cache, self.v_cache, meta,
                        torch.arange(rows), self.cos_table, self.sin_table)
         finally:
-            self.model.decode_rows = chosen
+            self.model.decode_rows, self.model.prompt_rows = chosen
+
+    @torch.inference_mode()
+    def prompt_linears(self, rows: int, decode_copy: bool) -> None:
+        """``rows`` rows through the first decoder layer's linears, on the decode copy of the weights or on the
+        batched ones, as a prompt chunk of ``rows`` tokens passes them."""
+        chosen, self.model.prompt_rows = self.model.prompt_rows, rows if decode_copy else 0
+        layer, config = self.model.layers[0], self.config
+        hidden, heads = torch.randn(rows, config.hidden_size), torch.randn(rows, layer.self_attn.split[0])
+        try:
+            layer.self_attn.qkv_proj(hidden)
+            layer.self_attn.o_proj(heads)
+            layer.mlp.down_proj(layer.mlp.gate_up_proj.silu_and_mul(hidden, self.model.cpu_kernels))
+        finally:
+            self.model.prompt_rows = chosen
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[Sample | None]:
