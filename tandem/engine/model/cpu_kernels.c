@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -254,6 +255,49 @@ static void quantize_row(const float *x, int64_t k_size, int64_t group, int16_t 
         scales[start / group] = quantize_int16(x + start, group, q + start, NULL);
 }
 
+/* Per calling thread, memory that keeps its largest size from call to call: a fresh allocation of megabytes
+ * for every layer's attention or prompt chunk's rows costs its page faults every time. */
+typedef struct {
+    void *memory;
+    size_t bytes;
+} scratch_memory;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_key_once = PTHREAD_ONCE_INIT;
+
+static void free_scratch(void *area)
+{
+    free(((scratch_memory *)area)->memory);
+    free(area);
+}
+
+static void make_scratch_key(void)
+{
+    pthread_key_create(&scratch_key, free_scratch);
+}
+
+/* At least `bytes` of 64-byte aligned memory, or NULL. */
+static void *scratch(size_t bytes)
+{
+    pthread_once(&scratch_key_once, make_scratch_key);
+    scratch_memory *area = pthread_getspecific(scratch_key);
+    if (!area) {
+        area = calloc(1, sizeof *area);
+        if (!area || pthread_setspecific(scratch_key, area)) {
+            free(area);
+            return NULL;
+        }
+    }
+    if (area->bytes < bytes) {
+        free(area->memory);
+        area->bytes = (bytes + 63) / 64 * 64;
+        area->memory = aligned_alloc(64, area->bytes);
+        if (!area->memory)
+            area->bytes = 0;
+    }
+    return area->memory;
+}
+
 /* 4-bit weights (tandem_linear with `mins`): each 32 columns of a row hold 16 levels, weight = scale · q + min
  * with q in 0..15 and a float16 scale and min, the grid of llama.cpp's Q4_1. The rows of x are rounded to int16 in
  * each group, and a group's products summed in int32 by vpmaddwd, which multiplies twice as many pairs a cycle as
@@ -331,7 +375,7 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
                        const uint16_t *mins, int64_t n_size, const float *bias, float *y, int threads)
 {
     int64_t tiles = (n_size + INT4_TILE_N - 1) / INT4_TILE_N, groups = k_size / INT4_GROUP;
-    char *area = malloc(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
+    char *area = scratch(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
     if (!area)
         return -2;
     int16_t *xq = (int16_t *)area;
@@ -367,7 +411,6 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
             }
         }
     }
-    free(area);
     return 0;
 }
 
@@ -432,7 +475,6 @@ static inline void store_sixteen(void *p, int64_t i, __m512 v, int bf16)
  * group's int8 weights are widened to float32, scaled, and rounded to bfloat16 into a tile buffer once for
  * every 32 rows of x; the rows are rounded to bfloat16 once per call, and each tile of 16 of them meets
  * AMX_BLOCKS blocks. */
-#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -942,49 +984,6 @@ static inline __attribute__((always_inline)) void load_output_tiles(float o[][AT
         _tile_loadd(4, &o[0][32], ATTENTION_MAX_HEAD_DIM * 4);
     if (columns > 3)
         _tile_loadd(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
-}
-
-/* Per calling thread, memory that keeps its largest size from call to call: a fresh allocation of megabytes
- * for every layer's attention costs its page faults every time. */
-typedef struct {
-    void *memory;
-    size_t bytes;
-} scratch_memory;
-
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_key_once = PTHREAD_ONCE_INIT;
-
-static void free_scratch(void *area)
-{
-    free(((scratch_memory *)area)->memory);
-    free(area);
-}
-
-static void make_scratch_key(void)
-{
-    pthread_key_create(&scratch_key, free_scratch);
-}
-
-/* At least `bytes` of 64-byte aligned memory, or NULL. */
-static void *scratch(size_t bytes)
-{
-    pthread_once(&scratch_key_once, make_scratch_key);
-    scratch_memory *area = pthread_getspecific(scratch_key);
-    if (!area) {
-        area = calloc(1, sizeof *area);
-        if (!area || pthread_setspecific(scratch_key, area)) {
-            free(area);
-            return NULL;
-        }
-    }
-    if (area->bytes < bytes) {
-        free(area->memory);
-        area->bytes = (bytes + 63) / 64 * 64;
-        area->memory = aligned_alloc(64, area->bytes);
-        if (!area->memory)
-            area->bytes = 0;
-    }
-    return area->memory;
 }
 
 /* Attention of a prefill chunk of `tokens` queries (rows of float32 q_rows, q_stride apart, each its heads'

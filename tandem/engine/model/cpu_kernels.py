@@ -54,6 +54,7 @@ CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # per 64 columns passes with less margin; `make bench-weights` times all three alike.
 INT8_GROUP = 32
 UINT4_GROUP = 32  # columns of a row that share a uint4 step and minimum (Q4_1's groups)
+UINT4_SAMPLE_GROUPS = 4096  # groups of a weight checked first, so that one off the grid (an int8 head) fails fast
 _AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl"))
 ISAS = {"amx": (_AVX512[0] | {"avx512_bf16", "amx_tile", "amx_bf16"},
                 (*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
@@ -531,6 +532,10 @@ def on_uint4_grid(weight: torch.Tensor) -> bool:
     if weight.shape[-1] % UINT4_GROUP:
         return False
     grouped = weight.detach().float().reshape(-1, UINT4_GROUP)
+    return _on_uint4_grid(grouped[:UINT4_SAMPLE_GROUPS]) and _on_uint4_grid(grouped[UINT4_SAMPLE_GROUPS:])
+
+
+def _on_uint4_grid(grouped: torch.Tensor) -> bool:
     levels, scales, minimums = _quantize_uint4(grouped)
     return torch.equal(levels.float() * scales.float()[:, None] + minimums.float()[:, None], grouped)
 
