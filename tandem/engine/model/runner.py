@@ -182,7 +182,8 @@ class ModelRunner:
         batched ones, as a prompt chunk of ``rows`` tokens passes them."""
         chosen, self.model.prompt_rows = self.model.prompt_rows, rows if decode_copy else 0
         layer, config = self.model.layers[0], self.config
-        hidden, heads = torch.randn(rows, config.hidden_size), torch.randn(rows, layer.self_attn.split[0])
+        # constant rows: the values do not change the time, and drawing random ones would be timed beside them
+        hidden, heads = torch.ones(rows, config.hidden_size), torch.ones(rows, layer.self_attn.split[0])
         try:
             layer.self_attn.qkv_proj(hidden)
             layer.self_attn.o_proj(heads)
