@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # The prompt chunk sizes timed where the copy wins all of LADDER, up to the longest chunk a step takes by default
 # (SchedulerConfig.max_prefill_step_tokens).
 PROMPT_LADDER = (128, 256, 512, 1024, 2048, 4096)
-REPEATS = 3  # timed runs of each path at each size, interleaved; the fastest counts
+REPEATS = 5  # timed runs of each path at each size, interleaved; the median counts
 
 
 def measured_decode_rows(combination: dict, time_step: Callable[[int, bool], None], max_rows: int) -> int:
@@ -72,8 +73,8 @@ def _crossover(time_step: Callable[[int, bool], None], ladder: tuple[int, ...], 
 
 
 def step_seconds(time_step: Callable[[int, bool], None], rows: int) -> tuple[float, float]:
-    """The fastest of ``REPEATS`` steps of ``rows`` decodes on the decode copy and on the batched weights,
-    the two interleaved after a warm-up step each."""
+    """The median of ``REPEATS`` steps of ``rows`` decodes on the decode copy and on the batched weights, the
+    two interleaved after a warm-up step each, so that a stall of the host in one run decides nothing."""
     seconds = {True: [], False: []}
     for decode_copy in (True, False):
         time_step(rows, decode_copy)
@@ -82,7 +83,7 @@ def step_seconds(time_step: Callable[[int, bool], None], rows: int) -> tuple[flo
             start = time.perf_counter()
             time_step(rows, decode_copy)
             seconds[decode_copy].append(time.perf_counter() - start)
-    return min(seconds[True]), min(seconds[False])
+    return statistics.median(seconds[True]), statistics.median(seconds[False])
 
 
 def _read(path: Path) -> dict[str, int]:
