@@ -51,12 +51,21 @@ def test_a_recorded_crossover_is_read_back_and_another_combination_is_timed_besi
 
 def test_prompt_chunks_climb_a_ladder_of_their_own_recorded_beside_the_decode_steps(home):
     timed = []
-    # 0.01 ms a row on the copy against 3 ms: it wins up to 256 rows (2.56 ms), loses at 512 (5.12)
-    rows = crossover.measured_prompt_rows({"cpu": "a"}, sleeping_steps(0.01, 3, timed))
-    assert rows == 256 and {size for size, _ in timed} == {128, 256, 512}
+    # 0.02 ms a row on the copy against 5 ms: summed over the ladder, 7.68 ms against 10 up to 256 rows, 17.92
+    # against 15 up to 512
+    rows = crossover.measured_prompt_rows({"cpu": "a"}, sleeping_steps(0.02, 5, timed))
+    assert rows == 256 and {size for size, _ in timed} == set(crossover.PROMPT_LADDER)
     crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(2, 20, []), max_rows=64)
     recorded = json.loads((home / "kernels" / "decode-rows.json").read_text())
     assert recorded == {json.dumps({"cpu": "a", "path": "prompt linears"}): 256, json.dumps({"cpu": "a"}): 8}
+
+
+def test_one_prompt_chunk_size_lost_by_a_little_does_not_stop_the_copy_at_the_sizes_it_wins(home):
+    def linears(rows: int, decode_copy: bool) -> None:
+        per_row_ms = 0.011 if rows == 256 else 0.008  # the copy loses at 256 rows alone, against 0.01 ms a row
+        time.sleep(rows * (per_row_ms if decode_copy else 0.01) / 1000)
+
+    assert crossover.measured_prompt_rows({"cpu": "a"}, linears) == crossover.PROMPT_LADDER[-1]
 
 
 def test_the_ladder_stops_at_the_rows_the_cache_can_hold(home):
@@ -86,7 +95,7 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
     def untimed(*args):
         raise AssertionError("the recorded figure is read, not timed again")
 
-    monkeypatch.setattr(crossover, "_crossover", untimed)
+    monkeypatch.setattr(crossover, "step_seconds", untimed)
     assert build().model.decode_rows == first.model.decode_rows
     without_copy = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64),
                                 calibrate=False, decode_weights="float32").executor

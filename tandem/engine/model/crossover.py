@@ -40,35 +40,47 @@ def measured_decode_rows(combination: dict, time_step: Callable[[int, bool], Non
     on the batched weights, as must every smaller size: the figure recorded for ``combination`` (what the
     timing depends on, JSON-ready), or else timed now and recorded. ``time_step(rows, decode_copy)`` runs
     one step of ``rows`` decodes on either path."""
-    return _measured(combination, time_step, LADDER, max_rows)
+    return _measured(combination, lambda: _decode_crossover(time_step, max_rows))
 
 
 def measured_prompt_rows(combination: dict, time_linears: Callable[[int, bool], None]) -> int:
-    """The same on ``PROMPT_LADDER`` for prompt chunks, 0 where the copy loses at its first size:
-    ``time_linears(rows, decode_copy)`` multiplies ``rows`` rows by one decoder layer's linears on either path."""
-    return _measured({**combination, "path": "prompt linears"}, time_linears, PROMPT_LADDER, PROMPT_LADDER[-1])
+    """The most rows on ``PROMPT_LADDER`` up to which the decode copy's times, summed over the ladder, stay
+    below the batched weights' (0 where it loses at the first size), recorded beside the decode steps'
+    figure: ``time_linears(rows, decode_copy)`` multiplies ``rows`` rows by one decoder layer's linears on
+    either path. Both paths cost about the same per row at every chunk size, so the sum decides on all the
+    ladder's timings at once, not on the first that a stall of the host turned."""
+    return _measured({**combination, "path": "prompt linears"}, lambda: _prompt_crossover(time_linears))
 
 
-def _measured(combination: dict, time_rows: Callable[[int, bool], None], ladder: tuple[int, ...],
-              max_rows: int) -> int:
+def _measured(combination: dict, measure: Callable[[], int]) -> int:
     path = tandem_home() / "kernels" / "decode-rows.json"
     key = json.dumps(combination, sort_keys=True)
     recorded = _read(path)
     if key in recorded:
         return recorded[key]
-    rows = _crossover(time_rows, ladder, max_rows)
+    rows = measure()
     _record(path, key, rows)
     logger.info("steps of up to %d rows read the decode copy of the weights (measured here for %s)", rows, key)
     return rows
 
 
-def _crossover(time_step: Callable[[int, bool], None], ladder: tuple[int, ...], max_rows: int) -> int:
+def _decode_crossover(time_step: Callable[[int, bool], None], max_rows: int) -> int:
     rows = 0
-    for size in (size for size in ladder if size <= max_rows):
+    for size in (size for size in LADDER if size <= max_rows):
         decode_copy_s, batched_s = step_seconds(time_step, size)
         if decode_copy_s > batched_s:
             break
         rows = size
+    return rows
+
+
+def _prompt_crossover(time_linears: Callable[[int, bool], None]) -> int:
+    rows, decode_copy_total, batched_total = 0, 0.0, 0.0
+    for size in PROMPT_LADDER:
+        decode_copy_s, batched_s = step_seconds(time_linears, size)
+        decode_copy_total, batched_total = decode_copy_total + decode_copy_s, batched_total + batched_s
+        if decode_copy_total <= batched_total:
+            rows = size
     return rows
 
 
