@@ -235,6 +235,8 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_layers: DecodeLayers | None = None  # with the CPU kernels and float16 weights
         self._decode_rows = self._prompt_rows = 0
+        # what the packed linears of the decoder layers and of the output head read them by
+        self._layer_copy, self._head_copy = CopyRows(), CopyRows()
         self._batched_activations: torch.dtype | None = None  # bfloat16 with bfloat16 batched weights
 
     def forward(
@@ -269,7 +271,7 @@ class CausalLM(nn.Module):
                 cos = cos_table.index_select(0, positions).unsqueeze(1)
                 sin = sin_table.index_select(0, positions).unsqueeze(1)
             # Rows that the batched bfloat16 weights multiply are rounded to bfloat16 where they are made.
-            activations = self._batched_activations if len(input_ids) > self._layer_copy_rows else None
+            activations = self._batched_activations if len(input_ids) > self._layer_copy.rows else None
             for index, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta,
                                     activations)
@@ -323,9 +325,11 @@ class CausalLM(nn.Module):
                 if isinstance(child, nn.Linear):
                     decode_dtype = kernels.decode_dtype(child.weight, decode_weights) \
                         if usable and decode_weights else None
-                    setattr(module, name, PackedLinear(child, kernels if decode_dtype is not None else None,
-                                                       decode_dtype, batched_dtype, batched_kernels=kernels,
-                                                       gated=usable and name == "gate_up_proj"))
+                    packed = PackedLinear(child, kernels if decode_dtype is not None else None, decode_dtype,
+                                          batched_dtype, batched_kernels=kernels,
+                                          gated=usable and name == "gate_up_proj")
+                    packed.copy_rows = self._head_copy if child is self.lm_head else self._layer_copy
+                    setattr(module, name, packed)
             if usable and isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = kernels
             if isinstance(module, Attention):
@@ -363,7 +367,7 @@ class CausalLM(nn.Module):
     @decode_rows.setter
     def decode_rows(self, rows: int) -> None:
         self._decode_rows = rows
-        self._set_copy_rows()
+        self._share_copy_rows()
 
     @property
     def prompt_rows(self) -> int:
@@ -376,19 +380,11 @@ class CausalLM(nn.Module):
     @prompt_rows.setter
     def prompt_rows(self, rows: int) -> None:
         self._prompt_rows = rows
-        self._set_copy_rows()
+        self._share_copy_rows()
 
-    @property
-    def _layer_copy_rows(self) -> int:
-        return max(self._decode_rows, self._prompt_rows)
-
-    def _set_copy_rows(self) -> None:
-        for layer in self.layers:
-            for module in layer.modules():
-                if isinstance(module, PackedLinear):
-                    module.decode_rows = self._layer_copy_rows
-        if isinstance(self.lm_head, PackedLinear):
-            self.lm_head.decode_rows = self._decode_rows
+    def _share_copy_rows(self) -> None:
+        self._layer_copy.rows = max(self._decode_rows, self._prompt_rows)
+        self._head_copy.rows = self._decode_rows
 
     @property
     def cpu_kernels(self) -> CpuKernels | None:
@@ -401,6 +397,16 @@ class CausalLM(nn.Module):
     @property
     def attends_prefills_in_kernels(self) -> bool:
         return self.layers[0].self_attn.prefill_kernel
+
+
+class CopyRows:
+    """The most rows a step may have and still multiply by the decode copy of the weights, one object shared by
+    every linear it governs, so that setting it touches none of them."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: int = 0):
+        self.rows = rows
 
 
 class PackedLinear(nn.Module):
@@ -421,7 +427,7 @@ class PackedLinear(nn.Module):
                  decode_dtype: torch.dtype | None = torch.float16, batched_dtype: torch.dtype = torch.float32,
                  decode_rows: int = 0, batched_kernels: CpuKernels | None = None, gated: bool = False):
         super().__init__()
-        self.decode_rows = decode_rows
+        self.copy_rows = CopyRows(decode_rows)
         weight = linear.weight.detach()
         self.batched_dtype = batched_dtype
         tiles = batched_dtype == torch.bfloat16 and batched_kernels is not None \
@@ -435,6 +441,10 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.decode_kernels = decode_kernels if decode_dtype is not None else None
         self.decode_weight = None if self.decode_kernels is None else self.decode_kernels.pack(weight, decode_dtype)
+
+    @property
+    def decode_rows(self) -> int:
+        return self.copy_rows.rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` in float32."""
