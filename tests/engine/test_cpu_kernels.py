@@ -118,12 +118,15 @@ def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, gro
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 70])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9, 70, 128, 133])
 @pytest.mark.parametrize("width, outputs", [(32, 1), (64, 17), (96, 5), (576, 40), (1536, 9)])
-def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_to_int16(kernels, rows, width,
-                                                                                        outputs):
+def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in_each_group(kernels, rows, width,
+                                                                                            outputs):
     """Rows in and beyond the kernel's passes of 4 and its blocks of 64; outputs in and beyond its tiles of 16.
-    Each row is rounded to int16 in each group of 32 columns; the groups' minimums multiply the row's exact sums."""
+    Each row is rounded in each group of 32 columns, to int16 (the groups' minimums multiply its exact sums) or, in
+    steps of ``uint4_int8_rows`` rows or more, to int8 (the minimums multiply the rounded row's sums)."""
+    assert kernels.uint4_int8_rows == 128
+    levels = 127 if rows >= kernels.uint4_int8_rows else 32767
     torch.manual_seed(width + rows)
     weight = on_q4_1_grid(torch.randn(outputs, width))
     assert cpu_kernels.on_uint4_grid(weight) and not cpu_kernels.on_uint4_grid(torch.randn(outputs, width))
@@ -135,10 +138,11 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_to
     x, bias = torch.randn(rows, width), torch.randn(outputs)
     x_groups = x.view(rows, -1, 32)
     top = x_groups.abs().amax(dim=2, keepdim=True)
-    inverse = torch.full_like(top, 32767) / top  # divided as the kernel divides (32767 / top rounds otherwise)
-    x_rounded = ((x_groups * inverse).round().double() * (top / 32767).double()).view(x.shape)
+    inverse = torch.full_like(top, levels) / top  # divided as the kernel divides (levels / top rounds otherwise)
+    x_rounded = ((x_groups * inverse).round().double() * (top / levels).double()).view(x.shape)
     levels_term = F.linear(x_rounded, (grouped - minimums).view(weight.shape).double())
-    minimums_term = F.linear(x.double(), minimums.expand_as(grouped).reshape(weight.shape).double())
+    summed = x_rounded if levels == 127 else x.double()
+    minimums_term = F.linear(summed, minimums.expand_as(grouped).reshape(weight.shape).double())
     # the two terms, each up to about 100 here, cancel: a few dozen float32 roundings of their size
     tolerance = 32 * torch.finfo(torch.float32).eps * (levels_term.abs() + minimums_term.abs()).max().item()
     expected = (levels_term + minimums_term + bias.double()).float()

@@ -105,8 +105,8 @@ def test_decode_weights_pass_the_teacher_forced_gate(measured, decode_weights):
 
 def test_the_default_passes_the_gate_in_prefill_chunks(measured):
     """Chunks of ``CHUNK`` rows take the path a prompt takes here with the default formats: the uint4 layers
-    where they win at that size (``prompt_rows``), else the batched weights (bfloat16 where the CPU multiplies
-    it natively)."""
+    where they win at that size (``prompt_rows``), the rows rounded to int8, else the batched weights (bfloat16
+    where the CPU multiplies it natively)."""
     results, targets = measured
     float32_chunked = Quality.of(results["float32"][0], results["float32"][1], targets)
     assert float32_chunked.mean_kl < 1e-6  # float32 scores the same in chunks as one position a step

@@ -4,7 +4,7 @@
   scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), or a uint4 weight with a step and a
   minimum per group of ``UINT4_GROUP`` columns (an eighth, plus those), packed by ``pack``; float16 and int8
   steps of several rows in float32 arithmetic, one int8 row and every uint4 row rounded to int16 and multiplied
-  in integers; in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
+  in integers (uint4 steps of ``uint4_int8_rows`` rows or more, prompt chunks, rounded to int8); in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
   with float32 sums;
 - ``linear_bfloat16`` (the AMX build): bfloat16 rows times a bfloat16 weight packed by ``pack_bfloat16``, in
   AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
@@ -73,6 +73,7 @@ class CpuKernels:
         self._linear.restype = ctypes.c_int
         self.tile_rows = c.tandem_linear_tile_rows()
         self.uint4_tile_rows = c.tandem_linear_int4_tile_rows()
+        self.uint4_int8_rows = c.tandem_linear_int4_int8_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
         self.int8_chunk = c.tandem_linear_int8_chunk()  # the same for int8 weights
         # weight rows per block of the AMX build's int8 and bfloat16 layout (0: no AMX build; int8 is tiled as
