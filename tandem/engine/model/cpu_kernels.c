@@ -11,8 +11,8 @@
  * (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and the weights are packed for that width.
  * One row against int8 weights (a single stream's decode step) multiplies in integers instead (one_row_tile):
  * widening and scaling every weight to float32 would bound it by arithmetic, not by reading the weights. 4-bit
- * weights (an eighth of the bytes, on llama.cpp's Q4_1 grid) multiply every row in integers (int4_linear), a prompt
- * chunk's rows rounded to int8 and a decode step's to int16.
+ * weights (an eighth of the bytes, on llama.cpp's Q4_1 grid) multiply every row in integers (int4_linear), rounded
+ * to int8 in steps of many rows (a prompt chunk's) and to int16 in the others (a decode step's).
  * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and steps of many rows multiply in tiles
  * (amx_linear below).
  *
@@ -313,8 +313,8 @@ static void *scratch(size_t bytes)
 #define INT4_TILE_N 16
 #define INT4_ROWS 4 /* rows of x against a tile at once: 8 int32 sums, 4 weight and 2 x vectors in registers */
 #define INT4_ROW_BLOCK 64 /* rows whose int16 values stay in L2 while a thread's tiles pass over them */
-/* Steps of at least this many rows (prompt chunks; the decode crossover times steps of up to 64) round x to int8,
- * not int16, for vpmaddubsw (int4_tile_int8_rows). */
+/* Steps of at least this many rows (prompt chunks, with any decodes beside them; the decode crossover times steps
+ * of up to 64) round x to int8, not int16, for vpmaddubsw (int4_tile_int8_rows). */
 #define INT4_INT8_ROWS 128
 
 int tandem_linear_int4_tile_rows(void)

@@ -4,8 +4,9 @@
   scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), or a uint4 weight with a step and a
   minimum per group of ``UINT4_GROUP`` columns (an eighth, plus those), packed by ``pack``; float16 and int8
   steps of several rows in float32 arithmetic, one int8 row and every uint4 row rounded to int16 and multiplied
-  in integers (uint4 steps of ``uint4_int8_rows`` rows or more, prompt chunks, rounded to int8); in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles, in bfloat16
-  with float32 sums;
+  in integers (the rows of uint4 steps of ``uint4_int8_rows`` or more, prompt chunks and the decodes beside
+  them, rounded to int8); in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles,
+  in bfloat16 with float32 sums;
 - ``linear_bfloat16`` (the AMX build): bfloat16 rows times a bfloat16 weight packed by ``pack_bfloat16``, in
   AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
