@@ -340,6 +340,23 @@ static inline __attribute__((always_inline)) void store_int4_tile(__m256 acc[][2
     }
 }
 
+/* A group's int32 sums of rows_m rows against a tile (sums[m][0] output columns 0-7, [1] 8-15) into their float32
+ * sums: times the weights' steps and each row's scale, plus the weights' minimums times each row's sum. */
+static inline __attribute__((always_inline)) void accumulate_int4_group(
+    __m256 acc[][2], __m256i sums[][2], const uint16_t *scales, const uint16_t *mins, int64_t g,
+    const float *x_scales, const float *x_sums, int64_t groups, int rows_m)
+{
+    for (int v = 0; v < 2; v++) {
+        __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * INT4_TILE_N + v * 8)));
+        __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * INT4_TILE_N + v * 8)));
+        for (int m = 0; m < rows_m; m++) {
+            __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[m * groups + g]));
+            acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][v]), row_scale, acc[m][v]);
+            acc[m][v] = _mm256_fmadd_ps(min, _mm256_set1_ps(x_sums[m * groups + g]), acc[m][v]);
+        }
+    }
+}
+
 /* rows_m rows of x (int16, k_size apart; their groups' scales and sums `groups` apart) against one tile of
  * weights, into y (ldy apart); rows_m is a constant at every call site. */
 static inline __attribute__((always_inline)) void int4_tile(
@@ -374,15 +391,7 @@ static inline __attribute__((always_inline)) void int4_tile(
                 }
             }
         }
-        for (int v = 0; v < 2; v++) {
-            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * INT4_TILE_N + v * 8)));
-            __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * INT4_TILE_N + v * 8)));
-            for (int m = 0; m < rows_m; m++) {
-                __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[m * groups + g]));
-                acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][v]), row_scale, acc[m][v]);
-                acc[m][v] = _mm256_fmadd_ps(min, _mm256_set1_ps(x_sums[m * groups + g]), acc[m][v]);
-            }
-        }
+        accumulate_int4_group(acc, sums, scales, mins, g, x_scales, x_sums, groups, rows_m);
     }
     store_int4_tile(acc, bias, y, ldy, rows_m, columns);
 }
@@ -449,23 +458,15 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
                                                 _mm256_maddubs_epi16(high, _mm256_set1_epi32(pair_high)));
             }
         }
-        __m256 scale[2], min[2];
-        for (int v = 0; v < 2; v++) {
-            scale[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * INT4_TILE_N + v * 8)));
-            min[v] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * INT4_TILE_N + v * 8)));
-        }
+        __m256i sums[INT4_ROWS][2];
         for (int m = 0; m < rows_m; m++) {
             /* weight row r's low and high sums side by side, added in int32: rows 0-3 and 8-11, then 4-7, 12-15 */
             __m256i first = _mm256_madd_epi16(_mm256_unpacklo_epi16(low_sums[m], high_sums[m]), ones);
             __m256i second = _mm256_madd_epi16(_mm256_unpackhi_epi16(low_sums[m], high_sums[m]), ones);
-            __m256i sums[2] = {_mm256_permute2x128_si256(first, second, 0x20),
-                               _mm256_permute2x128_si256(first, second, 0x31)};
-            __m256 x_scale = _mm256_set1_ps(x_scales[m * groups + g]), x_sum = _mm256_set1_ps(x_sums[m * groups + g]);
-            for (int v = 0; v < 2; v++) {
-                acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[v]), _mm256_mul_ps(scale[v], x_scale), acc[m][v]);
-                acc[m][v] = _mm256_fmadd_ps(min[v], x_sum, acc[m][v]);
-            }
+            sums[m][0] = _mm256_permute2x128_si256(first, second, 0x20);
+            sums[m][1] = _mm256_permute2x128_si256(first, second, 0x31);
         }
+        accumulate_int4_group(acc, sums, scales, mins, g, x_scales, x_sums, groups, rows_m);
     }
     store_int4_tile(acc, bias, y, ldy, rows_m, columns);
 }
