@@ -399,6 +399,7 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, prefix, heads, kv_heads, head_dim, rising", [
     (512, 0, 9, 3, 64, False),  # the default model's first chunk
     (37, 100, 9, 3, 64, False),  # a chunk after a prefix, neither a whole number of blocks
@@ -409,11 +410,11 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
     (200, 300, 9, 3, 64, True),
     (40, 200, 6, 2, 96, True),
 ])
-def test_prefill_attention_is_causal_attention_over_the_slots_in_bfloat16(kernels, tokens, prefix, heads, kv_heads,
-                                                                          head_dim, rising):
-    if not kernels.attends_prefills(heads, kv_heads, head_dim):
-        assert not kernels.amx_block_rows  # only the AMX build has it
-        pytest.skip("prefill attention is the AMX build's")
+def test_prefill_attention_is_causal_attention_over_the_slots(kernels, dtype, tokens, prefix, heads, kv_heads,
+                                                              head_dim, rising):
+    if not kernels.attends_prefills(heads, kv_heads, head_dim, dtype):
+        assert dtype == torch.bfloat16 and not kernels.amx_block_rows  # bfloat16 is the AMX build's alone
+        pytest.skip("bfloat16 prefill attention is the AMX build's")
     torch.manual_seed(tokens)
     context, num_slots = tokens + prefix, tokens + prefix + 50
     k_cache, v_cache = torch.randn(num_slots, kv_heads, head_dim), torch.randn(num_slots, kv_heads, head_dim)
@@ -425,19 +426,25 @@ def test_prefill_attention_is_causal_attention_over_the_slots_in_bfloat16(kernel
     q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # rows as a fused projection leaves them
     if rising:
         q += lean.repeat_interleave(heads // kv_heads, 0)
-    out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
+    out = torch.empty(tokens, heads, head_dim, dtype=dtype)
     kernels.prefill_attention(q, k_cache, v_cache, slots, head_dim ** -0.5, out)
 
-    # the reference: the same bfloat16 inputs, in float32 throughout
-    q, k, v = (t.bfloat16().float().transpose(0, 1)[None] for t in (q, k_cache[slots], v_cache[slots]))
+    # the reference: the same inputs (rounded to bfloat16 for the tiles), in float32 throughout
+    q, k, v = (t.to(dtype).float().transpose(0, 1)[None] for t in (q, k_cache[slots], v_cache[slots]))
     causal = torch.ones(tokens, context, dtype=torch.bool).tril(prefix)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=head_dim ** -0.5, enable_gqa=True)
-    # bfloat16 probabilities and output: a few units of bfloat16's last place
-    torch.testing.assert_close(out.float(), expected[0].transpose(0, 1), rtol=0.02, atol=0.01)
+    # float32: rounding alone; bfloat16 probabilities and output: a few units of bfloat16's last place
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.01}
+    torch.testing.assert_close(out.float(), expected[0].transpose(0, 1), **tolerance)
 
 
-def test_decode_attention_refuses_a_layout_it_does_not_take(kernels):
+def test_attention_refuses_a_layout_it_does_not_take(kernels):
     assert not kernels.supports_attention(4, 4, 12)
+    assert not kernels.attends_prefills(4, 4, 24, torch.float32)  # head_dim not a multiple of 16
+    assert not kernels.attends_prefills(6, 4, 64, torch.float32)  # query heads not a multiple of key-value heads
+    q, slots = torch.randn(3, 4, 24), torch.arange(3)
+    with pytest.raises(ValueError, match="4 heads over 4 key-value heads of size 24"):
+        kernels.prefill_attention(q, torch.randn(3, 4, 24), torch.randn(3, 4, 24), slots, 0.2, torch.empty(3, 4, 24))
     with pytest.raises(ValueError, match="does not take 4 heads"):
         kernels.decode_attention(torch.randn(1, 4, 12), torch.randn(16, 4, 12), torch.randn(16, 4, 12),
                                  cpu_kernels.BlockTables([torch.zeros(1, dtype=torch.long)], [3], 16), 0.3)
@@ -590,7 +597,7 @@ def test_a_small_step_with_prompt_chunks_attends_them_in_tiles_in_the_same_one_c
                           SchedulerConfig(max_num_batched_tokens=16, max_prefill_step_tokens=16),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="int8",
                           batched_weights="bfloat16")
-    if not engine.executor.model.attends_prefills_in_kernels:
+    if not engine.executor.model.attends_prefills_in_tiles:
         pytest.skip("needs the AMX build's prefill attention")
     compared = _run_each_small_step_both_ways(engine, 16, (3, 20, 45), monkeypatch)
     assert any(decodes and chunks for rows, decodes, chunks in compared)  # decodes beside a chunk
@@ -601,7 +608,7 @@ def test_a_small_step_with_prompt_chunks_attends_them_in_tiles_in_the_same_one_c
 def test_a_small_step_attends_its_prompt_tokens_as_decodes_do(tiny_model, monkeypatch):
     """A step small enough for the decode copy runs its prompt tokens as decode rows: each attends its own
     positions in place through the block table (the cached prefix read once for all of them), and the decoder
-    layers run in one call. Its logits are those of the same tokens as a prefill chunk through torch."""
+    layers run in one call. Its logits are those of the same tokens as a prefill chunk."""
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=16), calibrate=False,

@@ -1625,6 +1625,192 @@ int tandem_decode_attention(const float *q, int64_t q_stride, const float *k_cac
     return 0;
 }
 
+/* Prefill attention in float32 FMAs, for every build: query rows stacked PREFILL_ROWS at a time against blocks
+ * of PREFILL_KEYS keys, each key block scored for all of them, then its values accumulated for all of them, with
+ * an online softmax between. The keys are packed in panels of KEY_PANEL, one vector pair a column, so that a
+ * score block is a small matrix multiply of broadcast query values by key vectors, as the values' block is of
+ * broadcast probabilities by value vectors. */
+#define PREFILL_ROWS 6 /* 12 sums, 2 key or value vectors and a broadcast: 15 of the 16 vector registers */
+#define PREFILL_KEYS 64
+#define KEY_PANEL 16
+
+/* One layer's keys and values at the `context` positions slots[c], each key-value head's apart, zero from
+ * `context` up to padded_context: keys [kv_heads][padded_context / KEY_PANEL][head_dim][KEY_PANEL], values
+ * [kv_heads][padded_context][head_dim]. */
+static void pack_keys_values(const float *k_cache, const float *v_cache, const int64_t *slots, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t context, int64_t padded_context, float *keys, float *values,
+                             int threads)
+{
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t kv = 0; kv < num_kv_heads; kv++)
+        for (int64_t first = 0; first < padded_context; first += KEY_PANEL) {
+            float *panel = keys + (kv * padded_context + first) * head_dim;
+            for (int t = 0; t < KEY_PANEL; t++) {
+                int64_t c = first + t;
+                float *value = values + (kv * padded_context + c) * head_dim;
+                if (c >= context) {
+                    for (int64_t d = 0; d < head_dim; d++)
+                        panel[d * KEY_PANEL + t] = value[d] = 0.0f;
+                    continue;
+                }
+                const float *key = k_cache + (slots[c] * num_kv_heads + kv) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++)
+                    panel[d * KEY_PANEL + t] = key[d];
+                memcpy(value, v_cache + (slots[c] * num_kv_heads + kv) * head_dim, sizeof(float) * head_dim);
+            }
+        }
+}
+
+/* scores[r][0, PREFILL_KEYS) = query[r] · the block's keys, from its KEY_PANEL-key panels. */
+static inline void score_key_block(const float *const query[PREFILL_ROWS], const float *panels, int64_t head_dim,
+                                   float scores[PREFILL_ROWS][PREFILL_KEYS])
+{
+    for (int p = 0; p < PREFILL_KEYS / KEY_PANEL; p++) {
+        const float *panel = panels + p * KEY_PANEL * head_dim;
+        __m256 sums[PREFILL_ROWS][2];
+        for (int r = 0; r < PREFILL_ROWS; r++)
+            sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d++) {
+            __m256 low = _mm256_load_ps(panel + d * KEY_PANEL), high = _mm256_load_ps(panel + d * KEY_PANEL + 8);
+            for (int r = 0; r < PREFILL_ROWS; r++) {
+                __m256 q = _mm256_broadcast_ss(query[r] + d);
+                sums[r][0] = _mm256_fmadd_ps(q, low, sums[r][0]);
+                sums[r][1] = _mm256_fmadd_ps(q, high, sums[r][1]);
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; r++) {
+            _mm256_store_ps(scores[r] + p * KEY_PANEL, sums[r][0]);
+            _mm256_store_ps(scores[r] + p * KEY_PANEL + 8, sums[r][1]);
+        }
+    }
+}
+
+/* Turns row r's scores of a block into e^(scale · score - maximum) over its first `valid` keys (0 past them),
+ * in place, and folds them into its running maximum and sum, rescaling its accumulated values where the
+ * maximum moves. */
+static inline void softmax_key_block(float *scores, int64_t valid, float scale, float *maximum, float *sum,
+                                     float *acc, int64_t head_dim)
+{
+    if (valid <= 0) {
+        memset(scores, 0, sizeof(float) * PREFILL_KEYS);
+        return;
+    }
+    float block_max = -INFINITY;
+    if (valid >= PREFILL_KEYS) {
+        __m256 m = _mm256_load_ps(scores);
+        for (int j = 8; j < PREFILL_KEYS; j += 8)
+            m = _mm256_max_ps(m, _mm256_load_ps(scores + j));
+        block_max = horizontal_max(m);
+    } else
+        for (int64_t j = 0; j < valid; j++)
+            block_max = scores[j] > block_max ? scores[j] : block_max;
+    block_max *= scale;
+    if (block_max > *maximum) {
+        float factor = expf(*maximum - block_max);
+        *sum *= factor;
+        for (int64_t d = 0; d < head_dim; d += 8)
+            _mm256_store_ps(acc + d, _mm256_mul_ps(_mm256_load_ps(acc + d), _mm256_set1_ps(factor)));
+        *maximum = block_max;
+    }
+    __m256 scale8 = _mm256_set1_ps(scale), maximum8 = _mm256_set1_ps(*maximum), total = _mm256_setzero_ps();
+    __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), valid8 = _mm256_set1_epi32((int)valid);
+    for (int j = 0; j < PREFILL_KEYS; j += 8) {
+        __m256 e = exp_nonpositive(_mm256_fmsub_ps(_mm256_load_ps(scores + j), scale8, maximum8));
+        if (j + 8 > valid)
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(
+                _mm256_cmpgt_epi32(valid8, _mm256_add_epi32(_mm256_set1_epi32(j), lanes))));
+        total = _mm256_add_ps(total, e);
+        _mm256_store_ps(scores + j, e);
+    }
+    *sum += horizontal_sum(total);
+}
+
+/* acc[r] += Σ_j probabilities[r][j] · values[j] over a block's first `count` keys. */
+static inline void accumulate_value_block(float probabilities[PREFILL_ROWS][PREFILL_KEYS], const float *values,
+                                          int64_t count, int64_t head_dim, float acc[PREFILL_ROWS][MAX_HEAD_DIM])
+{
+    for (int64_t d = 0; d < head_dim; d += 16) {
+        __m256 sums[PREFILL_ROWS][2];
+        for (int r = 0; r < PREFILL_ROWS; r++) {
+            sums[r][0] = _mm256_load_ps(acc[r] + d);
+            sums[r][1] = _mm256_load_ps(acc[r] + d + 8);
+        }
+        for (int64_t j = 0; j < count; j++) {
+            __m256 low = _mm256_load_ps(values + j * head_dim + d), high = _mm256_load_ps(values + j * head_dim + d + 8);
+            for (int r = 0; r < PREFILL_ROWS; r++) {
+                __m256 p = _mm256_broadcast_ss(probabilities[r] + j);
+                sums[r][0] = _mm256_fmadd_ps(p, low, sums[r][0]);
+                sums[r][1] = _mm256_fmadd_ps(p, high, sums[r][1]);
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; r++) {
+            _mm256_store_ps(acc[r] + d, sums[r][0]);
+            _mm256_store_ps(acc[r] + d + 8, sums[r][1]);
+        }
+    }
+}
+
+/* tandem_prefill_attention's attention in float32, into out [tokens][heads][head_dim] float32. Returns -1,
+ * computing nothing, for a shape it does not take: head_dim not a multiple of 16 or above MAX_HEAD_DIM, heads
+ * not a multiple of kv_heads, or context < tokens; -2 where its working memory could not be allocated. */
+int tandem_prefill_attention_float32(const float *q_rows, int64_t q_stride, const float *k_cache,
+                                     const float *v_cache, const int64_t *slots, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim, int64_t tokens, int64_t context,
+                                     float scale, float *out, int threads)
+{
+    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || context < tokens)
+        return -1;
+    int64_t group = num_heads / num_kv_heads, rows = tokens * group, offset = context - tokens;
+    int64_t padded_context = (context + PREFILL_KEYS - 1) / PREFILL_KEYS * PREFILL_KEYS;
+    int64_t row_blocks = (rows + PREFILL_ROWS - 1) / PREFILL_ROWS, kv_floats = num_kv_heads * padded_context * head_dim;
+    float *keys = scratch(sizeof(float) * 2 * kv_floats);
+    if (!keys)
+        return -2;
+    float *values = keys + kv_floats;
+    pack_keys_values(k_cache, v_cache, slots, num_kv_heads, head_dim, context, padded_context, keys, values, threads);
+#pragma omp parallel num_threads(threads)
+    {
+        __attribute__((aligned(32))) float scores[PREFILL_ROWS][PREFILL_KEYS];
+        __attribute__((aligned(32))) float acc[PREFILL_ROWS][MAX_HEAD_DIM];
+        float maximum[PREFILL_ROWS], sum[PREFILL_ROWS];
+        const float *query[PREFILL_ROWS];
+        int64_t limit[PREFILL_ROWS];
+        /* key-value head by key-value head; in each, the last rows, which attend the most keys, first. A block's
+         * rows past the last repeat it. */
+#pragma omp for schedule(dynamic) collapse(2)
+        for (int64_t kv = 0; kv < num_kv_heads; kv++)
+            for (int64_t b = row_blocks - 1; b >= 0; b--) {
+                for (int r = 0; r < PREFILL_ROWS; r++) {
+                    int64_t row = b * PREFILL_ROWS + r < rows ? b * PREFILL_ROWS + r : rows - 1;
+                    int64_t token = row / group, head = kv * group + row % group;
+                    query[r] = q_rows + token * q_stride + head * head_dim;
+                    limit[r] = offset + token + 1;
+                    maximum[r] = -INFINITY;
+                    sum[r] = 0.0f;
+                    memset(acc[r], 0, sizeof(float) * head_dim);
+                }
+                const float *head_keys = keys + kv * padded_context * head_dim;
+                const float *head_values = values + kv * padded_context * head_dim;
+                for (int64_t first = 0; first < limit[PREFILL_ROWS - 1]; first += PREFILL_KEYS) {
+                    score_key_block(query, head_keys + first * head_dim, head_dim, scores);
+                    for (int r = 0; r < PREFILL_ROWS; r++)
+                        softmax_key_block(scores[r], limit[r] - first, scale, maximum + r, sum + r, acc[r], head_dim);
+                    int64_t count = limit[PREFILL_ROWS - 1] - first;
+                    accumulate_value_block(scores, head_values + first * head_dim,
+                                           count < PREFILL_KEYS ? count : PREFILL_KEYS, head_dim, acc);
+                }
+                for (int r = 0; r < PREFILL_ROWS && b * PREFILL_ROWS + r < rows; r++) {
+                    int64_t row = b * PREFILL_ROWS + r, token = row / group, head = kv * group + row % group;
+                    __m256 inverse = _mm256_set1_ps(1.0f / sum[r]);
+                    for (int64_t d = 0; d < head_dim; d += 8)
+                        _mm256_storeu_ps(out + (token * num_heads + head) * head_dim + d,
+                                         _mm256_mul_ps(_mm256_load_ps(acc[r] + d), inverse));
+                }
+            }
+    }
+    return 0;
+}
+
 /* qkv [tokens, (heads + 2 kv_heads) · head_dim], a fused projection's rows: rotates the query and key
  * heads in place (the rotate-half form, cos and sin tables [positions, head_dim]) and writes each
  * token's keys and values to its cache slot (caches [slots, kv_heads, head_dim], one layer). */

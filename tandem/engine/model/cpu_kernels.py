@@ -10,8 +10,8 @@
 - ``linear_bfloat16`` (the AMX build): bfloat16 rows times a bfloat16 weight packed by ``pack_bfloat16``, in
   AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
-- ``prefill_attention`` (the AMX build): a prefill chunk's causal attention over its context, read from the
-  paged cache by slot, in bfloat16 tiles with float32 sums;
+- ``prefill_attention``: a prefill chunk's causal attention over its context, read from the paged cache by
+  slot, in float32 FMAs, or in the AMX build in bfloat16 tiles with float32 sums;
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
 - ``decode_layers``: all the decoder layers of a small step in one call.
@@ -110,10 +110,12 @@ class CpuKernels:
         self._decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
                                         i64, ptr, i64, ptr, ctypes.c_int]
         self._decode_layers.restype = ctypes.c_int
-        self._prefill_attention = c.tandem_prefill_attention
-        self._prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr,
-                                            ctypes.c_int]
-        self._prefill_attention.restype = ctypes.c_int
+        # by the dtype of their output: bfloat16 from the AMX build's tiles, float32 from FMAs in every build
+        self._prefill_attention = {torch.bfloat16: c.tandem_prefill_attention,
+                                   torch.float32: c.tandem_prefill_attention_float32}
+        for function in self._prefill_attention.values():
+            function.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ctypes.c_int]
+            function.restype = ctypes.c_int
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype, group: int | None = INT8_GROUP) -> "PackedWeight":
         """``weight`` [n, k] (k a multiple of ``chunk``) in the tiled layout ``linear`` reads, as float16,
@@ -354,8 +356,8 @@ class CpuKernels:
                        for _, tokens, slots in chunks):
             raise ValueError("decode_layers needs a block table per decode row, then chunks one after another to "
                              "the last row, each with contiguous int64 slots of its whole context")
-        if chunks and not self.attends_prefills(shape.num_heads, shape.num_kv_heads, shape.head_dim):
-            raise ValueError("decode_layers attends prompt chunks only where prefill_attention runs")
+        if chunks and not self.attends_prefills(shape.num_heads, shape.num_kv_heads, shape.head_dim, torch.bfloat16):
+            raise ValueError("decode_layers attends prompt chunks only where prefill_attention runs in bfloat16")
         x = x.clone()
         residual = torch.zeros_like(x)
         scratch = torch.empty(rows * layers.scratch_per_row, dtype=torch.float32)
@@ -372,26 +374,32 @@ class CpuKernels:
         _check_attention_status(status, "decode_layers", shape.num_heads, shape.num_kv_heads, shape.head_dim)
         return x, residual
 
-    def attends_prefills(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-        """Whether ``prefill_attention`` runs here (the AMX build) for this head layout."""
-        return bool(self.amx_block_rows) and head_dim % 32 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+    def attends_prefills(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether ``prefill_attention`` runs here for this head layout in ``dtype``: float32 in every build,
+        bfloat16 in the AMX build."""
+        if num_heads % num_kv_heads or head_dim > 256:
+            return False
+        if dtype == torch.bfloat16:
+            return bool(self.amx_block_rows) and head_dim % 32 == 0
+        return dtype == torch.float32 and head_dim % 16 == 0
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           scale: float, out: torch.Tensor) -> None:
         """Causal attention of a prefill chunk's queries ``q`` [tokens, heads, head_dim] (float32, each token's
         heads contiguous) over the positions in ``slots`` [context] of one layer's caches [slots, kv_heads,
-        head_dim] (float32), the chunk's own last, in bfloat16 tiles (float32 sums); into ``out`` [tokens,
-        heads, head_dim] bfloat16."""
+        head_dim] (float32), the chunk's own last, into ``out`` [tokens, heads, head_dim]: float32 in float32
+        FMAs, or bfloat16 in the AMX build's bfloat16 tiles (float32 sums)."""
         tokens, heads, head_dim = q.shape
-        if q.dtype != torch.float32 or q.stride()[1:] != (head_dim, 1) or out.dtype != torch.bfloat16 \
+        if q.dtype != torch.float32 or q.stride()[1:] != (head_dim, 1) or out.dtype not in self._prefill_attention \
                 or not out.is_contiguous() or out.shape != q.shape or slots.dtype != torch.int64 \
                 or not slots.is_contiguous():
             raise ValueError("prefill_attention needs float32 queries with each token's heads contiguous, a "
-                             "contiguous bfloat16 output of their shape and contiguous int64 slots")
+                             "contiguous float32 or bfloat16 output of their shape and contiguous int64 slots")
         _check_float32(k_cache, v_cache)
-        status = self._prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                         slots.data_ptr(), heads, k_cache.shape[1], head_dim, tokens, len(slots),
-                                         scale, out.data_ptr(), torch.get_num_threads())
+        status = self._prefill_attention[out.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                                    v_cache.data_ptr(), slots.data_ptr(), heads, k_cache.shape[1],
+                                                    head_dim, tokens, len(slots), scale, out.data_ptr(),
+                                                    torch.get_num_threads())
         _check_attention_status(status, "prefill_attention", heads, k_cache.shape[1], head_dim)
 
     def supports_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.cpu_kernels: CpuKernels | None = None
         self.prefill_dtype: torch.dtype | None = None  # prefill chunks' attention in it, where not the model's
-        self.prefill_kernel = False  # prefill chunks attend through the CPU kernels' bfloat16 tiles
+        self.prefill_kernel = False  # prefill chunks attend through the CPU kernels, in prefill_dtype or float32
 
     def forward(self, x, positions, cos, sin, k_cache, v_cache, meta: AttentionMetadata,
                 activations: torch.dtype | None = None) -> torch.Tensor:
@@ -156,12 +156,13 @@ class Attention(nn.Module):
             ).squeeze(2)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            if self.prefill_kernel:  # bfloat16 out; a small step's float32 rows take it widened, as decode_layers
-                widened = out.dtype != torch.bfloat16
-                staged = torch.empty(q[rows].shape, dtype=torch.bfloat16) if widened else out[rows]
+            if self.prefill_kernel:  # out in the kernel's dtype; rows in another take it converted
+                kernel_dtype = self.prefill_dtype or q.dtype
+                converted = out.dtype != kernel_dtype
+                staged = torch.empty(q[rows].shape, dtype=kernel_dtype) if converted else out[rows]
                 self.cpu_kernels.prefill_attention(q[rows], k_cache, v_cache, chunk.slots(meta.slot_mapping),
                                                    self.scale, staged)
-                if widened:
+                if converted:
                     out[rows] = staged
                 continue
             if chunk.context_slots is None:
@@ -259,7 +260,7 @@ class CausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.decode_layers is not None and len(input_ids) <= self._decode_rows \
                 and (meta.decode_block_tables is not None or not meta.num_decodes) \
-                and (not meta.prefills or self.attends_prefills_in_kernels):
+                and (not meta.prefills or self.attends_prefills_in_tiles):
             chunks = [(chunk.token_start, chunk.num_tokens, chunk.slots(meta.slot_mapping)) for chunk in meta.prefills]
             x, residual = self.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
                                                          meta.slot_mapping, k_cache, v_cache, meta.decode_block_tables,
@@ -334,8 +335,8 @@ class CausalLM(nn.Module):
                 module.cpu_kernels = kernels
             if isinstance(module, Attention):
                 module.prefill_dtype = prefill_attention_dtype
-                module.prefill_kernel = usable and prefill_attention_dtype == torch.bfloat16 and \
-                    kernels.attends_prefills(module.num_heads, module.num_kv_heads, module.head_dim)
+                module.prefill_kernel = usable and kernels.attends_prefills(
+                    module.num_heads, module.num_kv_heads, module.head_dim, prefill_attention_dtype or torch.float32)
         linears = [dict(zip(DecodeLayers.LINEARS, (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)))
                    for layer in self.layers]
@@ -397,6 +398,12 @@ class CausalLM(nn.Module):
     @property
     def attends_prefills_in_kernels(self) -> bool:
         return self.layers[0].self_attn.prefill_kernel
+
+    @property
+    def attends_prefills_in_tiles(self) -> bool:
+        """Whether prefill chunks attend in the AMX build's bfloat16 tiles, which ``decode_layers`` calls for a
+        small step's prompt chunks too."""
+        return self.attends_prefills_in_kernels and self.layers[0].self_attn.prefill_dtype == torch.bfloat16
 
 
 class CopyRows:

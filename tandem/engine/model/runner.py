@@ -321,10 +321,10 @@ class ModelRunner:
         """Whether a step of ``rows`` rows attends each of its tokens as a decode, prompt tokens too: with the
         CPU kernels, a step small enough to read the decode copy of the weights, so that every token attends
         its context in place through the block table, a shared prefix read once, and the decoder layers run in
-        one call. Not where the CPU kernels attend prefill chunks (AMX): the same step runs in one call with
-        each prompt chunk attended in tiles, 2.5x faster than row by row."""
+        one call. Not where the CPU kernels attend prefill chunks in bfloat16 tiles (AMX): the same step runs in one
+        call with each prompt chunk attended in tiles, 2.5x faster than row by row."""
         return self.model.uses_cpu_kernels and rows <= self.model.decode_rows \
-            and not self.model.attends_prefills_in_kernels
+            and not self.model.attends_prefills_in_tiles
 
     def _decode_block_tables(self, decodes: list[ScheduledRequest]) -> BlockTables:
         """A row per token of ``decodes`` (each attending its request's positions up to its own): each
