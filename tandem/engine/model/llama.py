@@ -312,7 +312,8 @@ class CausalLM(nn.Module):
                         ) -> None:
         """For a float32 model on a CPU with oneDNN: pack every linear layer's weight for oneDNN in
         ``batched_dtype`` (float32 or bfloat16), run prefill chunks' attention in ``prefill_attention_dtype``
-        (None: float32), and, with ``kernels`` that take this model's head layout, run
+        (None: float32; through ``kernels.prefill_attention`` where it takes this head layout in that dtype), and,
+        with ``kernels`` that take this model's head layout, run
         norms, rotary embeddings, cache writes, activations and decode attention (the runner then passes block
         tables) through them, and, with ``decode_weights`` (float16, int8 or auto: ``CpuKernels.decode_dtype``), the
         linears of steps of few rows, on a copy of the weights in it; then a step of decodes alone runs all the
