@@ -45,6 +45,14 @@ def timed_ms(step, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1000
 
 
+def loaded_kernels() -> cpu_kernels.CpuKernels:
+    """The widest build of the CPU kernels this machine runs; exits where none does."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the CPU kernels cannot run here (see the log above)")
+    return kernels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -53,9 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        raise SystemExit("the CPU kernels cannot run here (see the log above)")
+    kernels = loaded_kernels()
     narrower = [cpu_kernels.load(isa) for isa in cpu_kernels.usable_isas()[1:]]  # beside the widest
     shapes = LAYER * args.layers + [HEAD]
     weights = [torch.randn(shape) * 0.02 for shape in shapes]
