@@ -450,6 +450,49 @@ def test_attention_refuses_a_layout_it_does_not_take(kernels):
                                  cpu_kernels.BlockTables([torch.zeros(1, dtype=torch.long)], [3], 16), 0.3)
 
 
+def test_attention_refuses_to_read_outside_the_caches(kernels):
+    q, out, cache = torch.randn(2, 4, 16), torch.empty(2, 4, 16), torch.randn(8, 2, 16)
+    for slots in ([3, 8], [-1, 2]):
+        with pytest.raises(ValueError, match="prefill_attention would reach slots outside the caches' 8"):
+            kernels.prefill_attention(q, cache, cache.clone(), torch.tensor(slots), 0.25, out)
+    with pytest.raises(ValueError, match="caches of one shape"):
+        kernels.prefill_attention(q, cache, torch.randn(7, 2, 16), torch.tensor([3, 4]), 0.25, out)
+    with pytest.raises(ValueError, match=r"caches of one shape \[\.\.\., slots, kv_heads, 32\]"):
+        kernels.prefill_attention(torch.randn(2, 4, 32), cache, cache.clone(), torch.tensor([3, 4]), 0.25,
+                                  torch.empty(2, 4, 32))
+    with pytest.raises(ValueError, match="got 2 tokens and 1 slots"):
+        kernels.prefill_attention(q, cache, cache.clone(), torch.tensor([3]), 0.25, out)
+    one_block_past = cpu_kernels.BlockTables([torch.tensor([0, 1])], [20], 16)  # slots 16-31 of 24
+    with pytest.raises(ValueError, match="decode_attention would reach slots outside the caches' 24"):
+        kernels.decode_attention(q[:1], torch.randn(24, 2, 16), torch.randn(24, 2, 16), one_block_past, 0.25)
+    kernels.decode_attention(q[:1], torch.randn(32, 2, 16), torch.randn(32, 2, 16), one_block_past, 0.25)
+    qkv, tables = torch.randn(1, 8 * 16), torch.randn(10, 16)
+    with pytest.raises(ValueError, match="rope_and_cache would reach slots outside the caches' 8"):
+        kernels.rope_and_cache(qkv, 4, 2, torch.tensor([3]), tables, tables, torch.tensor([8]), cache, cache.clone())
+    with pytest.raises(ValueError, match="rope_and_cache needs positions below the rotary tables' 10"):
+        kernels.rope_and_cache(qkv, 4, 2, torch.tensor([10]), tables, tables, torch.tensor([7]), cache, cache.clone())
+
+
+@torch.inference_mode()
+def test_the_one_call_refuses_to_write_outside_the_caches(tiny_model):
+    runner = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=8), calibrate=False,
+                          decode_weights="int8").executor
+    model, slots = runner.model, 8 * runner.block_size
+    x, first_block = model.embed_tokens(torch.tensor([5])), cpu_kernels.BlockTables([torch.tensor([0])], [1],
+                                                                                    runner.block_size)
+    for slot in (slots, -1):
+        with pytest.raises(ValueError, match=f"decode_layers would reach slots outside the caches' {slots}"):
+            model.cpu_kernels.decode_layers(model.decode_layers, x, torch.tensor([0]), runner.cos_table,
+                                            runner.sin_table, torch.tensor([slot]), runner.k_cache, runner.v_cache,
+                                            first_block)
+    with pytest.raises(ValueError, match="decode_layers needs positions below the rotary tables'"):
+        model.cpu_kernels.decode_layers(model.decode_layers, x, torch.tensor([len(runner.cos_table)]),
+                                        runner.cos_table, runner.sin_table, torch.tensor([0]), runner.k_cache,
+                                        runner.v_cache, first_block)
+    model.cpu_kernels.decode_layers(model.decode_layers, x, torch.tensor([0]), runner.cos_table, runner.sin_table,
+                                    torch.tensor([0]), runner.k_cache, runner.v_cache, first_block)
+
+
 def test_a_block_table_must_cover_its_context():
     with pytest.raises(ValueError, match="covering its 40 positions"):
         cpu_kernels.BlockTables([torch.zeros(2, dtype=torch.long)], [40], 16)

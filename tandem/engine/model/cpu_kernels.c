@@ -1811,6 +1811,22 @@ int tandem_prefill_attention_float32(const float *q_rows, int64_t q_stride, cons
     return 0;
 }
 
+/* The smallest and the largest of the first ceil(lengths[r] / per) entries of rows[r], over num_rows rows, into
+ * range[0] and range[1] (0 and -1 where there are none): the cache slots (per 1) or the blocks of a block table
+ * (per block_size) a kernel would reach, checked before it does. */
+void tandem_index_range(const int64_t *const *rows, const int64_t *lengths, int64_t num_rows, int64_t per,
+                        int64_t *range)
+{
+    int64_t low = INT64_MAX, high = INT64_MIN;
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t i = 0; i < (lengths[r] + per - 1) / per; i++) {
+            low = rows[r][i] < low ? rows[r][i] : low;
+            high = rows[r][i] > high ? rows[r][i] : high;
+        }
+    range[0] = high < low ? 0 : low;
+    range[1] = high < low ? -1 : high;
+}
+
 /* qkv [tokens, (heads + 2 kv_heads) · head_dim], a fused projection's rows: rotates the query and key
  * heads in place (the rotate-half form, cos and sin tables [positions, head_dim]) and writes each
  * token's keys and values to its cache slot (caches [slots, kv_heads, head_dim], one layer). */

@@ -89,6 +89,9 @@ class CpuKernels:
             self._linear_bf16 = c.tandem_linear_bf16
             self._linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             self._linear_bf16.restype = ctypes.c_int
+        self._index_range = c.tandem_index_range
+        self._index_range.argtypes = [ptr, ptr, i64, i64, ptr]
+        self._index_range.restype = None
         self._decode_attention = c.tandem_decode_attention
         self._decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
                                            ptr, ctypes.c_int]
@@ -280,10 +283,10 @@ class CpuKernels:
         contiguous) over each sequence's cached positions, found through ``block_tables``; ``k_cache``,
         ``v_cache``: one layer's [slots, kv_heads, head_dim], float32."""
         seqs, heads, head_dim = q.shape
-        if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or q.stride()[1:] != (head_dim, 1) \
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or len(block_tables) != seqs:
-            raise ValueError("decode_attention needs float32 q with each sequence's heads contiguous, contiguous "
-                             "float32 caches, and a block table per sequence")
+        if q.dtype != torch.float32 or q.stride()[1:] != (head_dim, 1) or len(block_tables) != seqs:
+            raise ValueError("decode_attention needs float32 q with each sequence's heads contiguous, and a block "
+                             "table per sequence")
+        self._check_cache_reads("decode_attention", k_cache, v_cache, head_dim, block_tables=block_tables)
         out = torch.empty(q.shape, dtype=torch.float32)
         status = self._decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                         block_tables.pointers.data_ptr(), block_tables.context_lens.data_ptr(), seqs,
@@ -310,11 +313,14 @@ class CpuKernels:
         """Rotate the query and key heads of the fused projection ``qkv`` [tokens, (heads + 2 kv_heads) ·
         head_dim] in place, and write each token's keys and values to its slot of one layer's caches."""
         head_dim = cos_table.shape[1]
-        _check_float32(qkv, cos_table, sin_table, k_cache, v_cache)
+        _check_float32(qkv, cos_table, sin_table)
         if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or positions.dtype != torch.int64 \
-                or slot_mapping.dtype != torch.int64 or not len(positions) == len(qkv) == len(slot_mapping):
-            raise ValueError("rope_and_cache needs a fused projection of the heads' width and int64 positions and "
-                             "slots, one per token")
+                or slot_mapping.dtype != torch.int64 or not len(positions) == len(qkv) == len(slot_mapping) \
+                or not (positions.is_contiguous() and slot_mapping.is_contiguous()):
+            raise ValueError("rope_and_cache needs a fused projection of the heads' width and contiguous int64 "
+                             "positions and slots, one per token")
+        self._check_positions("rope_and_cache", positions, cos_table)
+        self._check_cache_reads("rope_and_cache", k_cache, v_cache, head_dim, (slot_mapping,))
         self._rope_and_cache(qkv.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, positions.data_ptr(),
                              cos_table.data_ptr(), sin_table.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
                              v_cache.data_ptr(), torch.get_num_threads())
@@ -344,10 +350,11 @@ class CpuKernels:
         shape = layers.shape
         rows = x.shape[0]
         decodes = len(block_tables) if block_tables is not None else 0
-        _check_float32(x, cos_table, sin_table, k_cache, v_cache)
+        _check_float32(x, cos_table, sin_table)
         if x.shape[1] != shape.hidden or not len(positions) == len(slot_mapping) == rows \
                 or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64 \
-                or k_cache.shape != v_cache.shape or k_cache.shape[0] != len(layers):
+                or not (positions.is_contiguous() and slot_mapping.is_contiguous()) \
+                or k_cache.dim() != 4 or k_cache.shape[0] != len(layers):
             raise ValueError("decode_layers needs one position and slot per row of the model's width, and caches "
                              "of its layers")
         ends = [decodes] + [first + tokens for first, tokens, _ in chunks]
@@ -358,6 +365,9 @@ class CpuKernels:
                              "the last row, each with contiguous int64 slots of its whole context")
         if chunks and not self.attends_prefills(shape.num_heads, shape.num_kv_heads, shape.head_dim, torch.bfloat16):
             raise ValueError("decode_layers attends prompt chunks only where prefill_attention runs in bfloat16")
+        self._check_positions("decode_layers", positions, cos_table)
+        self._check_cache_reads("decode_layers", k_cache, v_cache, shape.head_dim,
+                                (slot_mapping, *(slots for _, _, slots in chunks)), block_tables)
         x = x.clone()
         residual = torch.zeros_like(x)
         scratch = torch.empty(rows * layers.scratch_per_row, dtype=torch.float32)
@@ -395,12 +405,46 @@ class CpuKernels:
                 or not slots.is_contiguous():
             raise ValueError("prefill_attention needs float32 queries with each token's heads contiguous, a "
                              "contiguous float32 or bfloat16 output of their shape and contiguous int64 slots")
-        _check_float32(k_cache, v_cache)
+        if not 0 < tokens <= len(slots):
+            raise ValueError(f"prefill_attention needs 1 to len(slots) query tokens, the chunk's own positions last "
+                             f"in slots; got {tokens} tokens and {len(slots)} slots")
+        self._check_cache_reads("prefill_attention", k_cache, v_cache, head_dim, (slots,))
         status = self._prefill_attention[out.dtype](q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                                                     v_cache.data_ptr(), slots.data_ptr(), heads, k_cache.shape[1],
                                                     head_dim, tokens, len(slots), scale, out.data_ptr(),
                                                     torch.get_num_threads())
         _check_attention_status(status, "prefill_attention", heads, k_cache.shape[1], head_dim)
+
+    def _check_cache_reads(self, kernel: str, k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int,
+                           slots: Sequence[torch.Tensor] = (), block_tables: "BlockTables | None" = None) -> None:
+        """That the caches ([..., slots, kv_heads, head_dim]) are contiguous float32 ones of one shape, and that every
+        slot of ``slots`` and every block of ``block_tables`` that ``kernel`` would reach lies inside them."""
+        _check_float32(k_cache, v_cache)
+        if k_cache.shape != v_cache.shape or k_cache.dim() < 3 or k_cache.shape[-1] != head_dim:
+            raise ValueError(f"{kernel} needs key and value caches of one shape [..., slots, kv_heads, {head_dim}], "
+                             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        reached = [self._reach(ids) for ids in slots]
+        if block_tables is not None and len(block_tables):
+            first, last = self._reach_rows(block_tables.pointers.data_ptr(), block_tables.context_lens.data_ptr(),
+                                           len(block_tables), block_tables.block_size)
+            reached.append((first * block_tables.block_size, (last + 1) * block_tables.block_size - 1))
+        if any(low < 0 or high >= k_cache.shape[-3] for low, high in reached):
+            raise ValueError(f"{kernel} would reach slots outside the caches' {k_cache.shape[-3]}")
+
+    def _check_positions(self, kernel: str, positions: torch.Tensor, cos_table: torch.Tensor) -> None:
+        low, high = self._reach(positions)
+        if low < 0 or high >= len(cos_table):
+            raise ValueError(f"{kernel} needs positions below the rotary tables' {len(cos_table)}")
+
+    def _reach(self, ids: torch.Tensor) -> tuple[int, int]:
+        """The smallest and the largest of the contiguous int64 ``ids`` (0 and -1 where there are none)."""
+        return self._reach_rows(ctypes.byref(ctypes.c_void_p(ids.data_ptr())), ctypes.byref(ctypes.c_int64(len(ids))),
+                                1, 1)
+
+    def _reach_rows(self, rows, lengths, num_rows: int, per: int) -> tuple[int, int]:
+        reached = (ctypes.c_int64 * 2)()
+        self._index_range(rows, lengths, num_rows, per, reached)
+        return reached[0], reached[1]
 
     def supports_attention(self, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         """Whether ``decode_attention`` takes this head layout (see ``tandem_decode_attention``)."""
