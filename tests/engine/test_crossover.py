@@ -104,7 +104,7 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
 
 @pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
                     reason="needs the CPU kernels and oneDNN")
-def test_the_engine_prices_the_steps_on_the_decode_copy_on_a_line_of_their_own(tiny_model):
+def test_the_engine_prices_the_steps_on_the_decode_copy_on_a_line_of_their_own(tiny_model, home):
     engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64), calibrate=True,
                           decode_weights="int8")
     rates = engine.current_rates()
