@@ -6,9 +6,13 @@ a step of decodes run through all the layers in one call against the same step o
 from __future__ import annotations
 
 import os
+import platform
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+import simde_py
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,13 +29,43 @@ from tests.models import on_q4_1_grid
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
-@pytest.fixture(scope="module", params=cpu_kernels.usable_isas() or ["none"])
-def kernels(request):
+BUILDS = cpu_kernels.usable_isas()
+EMULATED_AVX512 = "avx512-on-avx2"
+
+
+@pytest.fixture(scope="module", params=BUILDS or ["none"])
+def native_kernels(request):
     """Each build this CPU runs: AVX2, AVX-512 where the CPU has it, and AMX where it has AMX tiles."""
-    built = None if request.param == "none" else cpu_kernels.load(request.param)
+    return loaded(request.param)
+
+
+def loaded(isa: str) -> cpu_kernels.CpuKernels:
+    built = None if isa == "none" else cpu_kernels.load(isa)
     if built is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     return built
+
+
+@pytest.fixture(scope="module", params=BUILDS + [EMULATED_AVX512] if "avx2" in BUILDS and "avx512" not in BUILDS
+                else BUILDS or ["none"])
+def kernels(request, tmp_path_factory):
+    """Each build this CPU runs; where it has AVX2 but no AVX-512, the AVX-512 build too, emulated."""
+    if request.param == EMULATED_AVX512:
+        return avx512_on_avx2(tmp_path_factory.mktemp(EMULATED_AVX512))
+    return loaded(request.param)
+
+
+def avx512_on_avx2(directory: Path) -> cpu_kernels.CpuKernels:
+    """The AVX-512 build, its AVX-512 intrinsics carried out in AVX2 ones (avx512_on_avx2.c): its arithmetic,
+    not its speed, on a CPU that cannot run it."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    library = directory / f"{EMULATED_AVX512}.so"
+    subprocess.run([compiler, *cpu_kernels.FLAGS, "-Wno-psabi", f"-I{simde_py.get_include()}",
+                    f'-DKERNELS_SOURCE="{cpu_kernels.SOURCE}"', str(Path(__file__).with_name("avx512_on_avx2.c")),
+                    "-o", str(library)], check=True, capture_output=True, text=True)
+    return cpu_kernels.CpuKernels(library, "avx512")
 
 
 @torch.inference_mode()
@@ -147,6 +181,23 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in
     tolerance = 32 * torch.finfo(torch.float32).eps * (levels_term.abs() + minimums_term.abs()).max().item()
     expected = (levels_term + minimums_term + bias.double()).float()
     torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=0, atol=tolerance)
+
+
+@torch.inference_mode()
+def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(tmp_path):
+    """Its vpdpwssd sums the very int32 products that vpmaddwd and vpaddd sum in the AVX2 build, and it scales them
+    with the same float32 operations: what the quality gate measured on one build holds on the other."""
+    if "avx2" not in BUILDS:
+        pytest.skip("the CPU kernels cannot run here (see the log for why)")
+    avx2 = loaded("avx2")
+    avx512 = loaded("avx512") if "avx512" in BUILDS else avx512_on_avx2(tmp_path)
+    torch.manual_seed(3)
+    weight = on_q4_1_grid(torch.randn(45, 320))
+    bias = torch.randn(45)
+    for rows in (1, 3, 4, 9, 64):
+        x = torch.randn(rows, 320)
+        assert torch.equal(avx512.linear(x, avx512.pack(weight, torch.uint4), bias),
+                           avx2.linear(x, avx2.pack(weight, torch.uint4), bias))
 
 
 @torch.inference_mode()
@@ -303,20 +354,22 @@ def fresh_load():
     cpu_kernels.load.cache_clear()
 
 
-def test_a_machine_that_cannot_build_them_runs_on_torch_ops(kernels, fresh_load, monkeypatch, tmp_path, caplog):
+def test_a_machine_that_cannot_build_them_runs_on_torch_ops(native_kernels, fresh_load, monkeypatch, tmp_path,
+                                                            caplog):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    assert fresh_load(kernels.isa) is None
-    assert f"could not build or load the {kernels.isa} CPU kernels" in caplog.text
+    assert fresh_load(native_kernels.isa) is None
+    assert f"could not build or load the {native_kernels.isa} CPU kernels" in caplog.text
 
 
-@pytest.mark.parametrize("isa", cpu_kernels.usable_isas() or ["none"])
-def test_every_build_this_cpu_runs_compiles(isa, tmp_path):
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_every_build_compiles(isa, tmp_path):
     """The kernel tests skip a build that does not load, as a process refused the AMX tile state must; a
-    build that does not compile would hide behind that skip, and workers would run a narrower one."""
+    build that does not compile would hide behind that skip, and workers would run a narrower one. Each build
+    compiles on any x86-64 machine, whether or not its CPU runs it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if isa == "none" or compiler is None:
-        pytest.skip("no build of the kernels, or no compiler, here")
+    if platform.machine() != "x86_64" or compiler is None:
+        pytest.skip("no x86-64 compiler here")
     cpu_kernels._build(compiler, cpu_kernels._flags(isa), tmp_path / f"{isa}.so")
 
 
@@ -336,13 +389,13 @@ def test_a_build_that_does_not_load_leaves_the_next_widest(fresh_load, monkeypat
     assert fresh_load().isa == usable[1]
 
 
-def test_a_library_built_ahead_loads_without_a_compiler(kernels, fresh_load, monkeypatch):
+def test_a_library_built_ahead_loads_without_a_compiler(native_kernels, fresh_load, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
-    assert fresh_load(kernels.isa).isa == kernels.isa
+    assert fresh_load(native_kernels.isa).isa == native_kernels.isa
 
 
-def test_without_a_compiler_the_widest_build_made_earlier_serves(kernels, fresh_load, monkeypatch, tmp_path):
+def test_without_a_compiler_the_widest_build_made_earlier_serves(native_kernels, fresh_load, monkeypatch, tmp_path):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))  # holds only the narrowest build, as if made elsewhere
     narrowest = cpu_kernels.usable_isas()[-1]
     assert fresh_load(narrowest) is not None
@@ -352,7 +405,7 @@ def test_without_a_compiler_the_widest_build_made_earlier_serves(kernels, fresh_
     assert fresh_load().isa == narrowest
 
 
-def test_the_widest_build_the_cpu_runs_is_the_default(kernels, fresh_load, monkeypatch):
+def test_the_widest_build_the_cpu_runs_is_the_default(native_kernels, fresh_load, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     assert cpu_kernels.usable_isas() == ["avx2"]
     assert fresh_load().isa == "avx2" and fresh_load().chunk == 8

@@ -48,15 +48,16 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-lm")
 CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
-# Builds of the same source, widest first: each needs these CPU flags beyond CPU_FLAGS, and compiles with
-# these flags beyond FLAGS.
 # Columns of a weight row that share one int8 scale, as llama.cpp's Q8_0 groups them. Against the
 # teacher-forced quality gate (tests/engine/test_quality.py), a scale per row fails (top-1 agreement) and
 # per 64 columns passes with less margin; `make bench-weights` times all three alike.
 INT8_GROUP = 32
 UINT4_GROUP = 32  # columns of a row that share a uint4 step and minimum (Q4_1's groups)
 UINT4_SAMPLE_GROUPS = 4096  # groups of a weight checked first, so that one off the grid (an int8 head) fails fast
-_AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl"}), ("-mavx512f", "-mavx512bw", "-mavx512vl"))
+# Builds of the same source, widest first: each needs these CPU flags beyond CPU_FLAGS, and compiles with
+# these flags beyond FLAGS.
+_AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+           ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"))
 ISAS = {"amx": (_AVX512[0] | {"avx512_bf16", "amx_tile", "amx_bf16"},
                 (*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
         "avx512": _AVX512,
