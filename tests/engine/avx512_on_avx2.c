@@ -4,32 +4,21 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
-static inline simde__m512i widen_int8_to_int32(simde__m128i a)
-{
-    simde__m128i_private from = simde__m128i_to_private(a);
-    simde__m512i_private to;
-    for (int i = 0; i < 16; i++)
-        to.i32[i] = from.i8[i];
-    return simde__m512i_from_private(to);
-}
+/* to.to_lane[i] = from.from_lane[i] for each of `lanes` lanes, as C converts the one to the other: the widening
+ * and truncating conversions that SIMDe lacks */
+#define LANE_BY_LANE(name, from_type, to_type, lanes, from_lane, to_lane)      \
+    static inline simde__##to_type name(simde__##from_type a)                  \
+    {                                                                          \
+        simde__##from_type##_private from = simde__##from_type##_to_private(a); \
+        simde__##to_type##_private to;                                         \
+        for (int i = 0; i < lanes; i++)                                        \
+            to.to_lane[i] = from.from_lane[i];                                 \
+        return simde__##to_type##_from_private(to);                            \
+    }
 
-static inline simde__m512i widen_uint8_to_int16(simde__m256i a)
-{
-    simde__m256i_private from = simde__m256i_to_private(a);
-    simde__m512i_private to;
-    for (int i = 0; i < 32; i++)
-        to.i16[i] = from.u8[i];
-    return simde__m512i_from_private(to);
-}
-
-static inline simde__m256i truncate_int32_to_int16(simde__m512i a)
-{
-    simde__m512i_private from = simde__m512i_to_private(a);
-    simde__m256i_private to;
-    for (int i = 0; i < 16; i++)
-        to.i16[i] = (int16_t)from.i32[i];
-    return simde__m256i_from_private(to);
-}
+LANE_BY_LANE(widen_int8_to_int32, m128i, m512i, 16, i8, i32)
+LANE_BY_LANE(widen_uint8_to_int16, m256i, m512i, 32, u8, i16)
+LANE_BY_LANE(truncate_int32_to_int16, m512i, m256i, 16, i32, i16)
 
 static inline float sum_of_sixteen(simde__m512 a)
 {
