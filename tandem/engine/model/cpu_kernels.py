@@ -17,11 +17,11 @@
 - ``decode_layers``: all the decoder layers of a small step in one call.
 
 The C source ships with the package. It is compiled with the system C compiler into
-``$TANDEM_HOME/kernels`` once per source and instruction set (AVX2, or AVX-512 where the CPU has it, or
-AMX where it has AMX tiles;
-``tandem provision`` builds every one this CPU runs ahead of time, so a machine without a compiler can
-run a library built there), then loaded with ctypes, which releases the GIL for the call. ``load()`` returns None, and says why in the log, where the kernels cannot run: not
-an x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a working C compiler.
+``$TANDEM_HOME/kernels`` once per source and instruction set (``ISAS``: AVX2, or AVX-512 with VNNI where the
+CPU has it, or AMX where it has AMX tiles; ``tandem provision`` builds every one this CPU runs ahead of time,
+so a machine without a compiler can run a library built there), then loaded with ctypes, which releases the
+GIL for the call. ``load()`` returns None, and says why in the log, where the kernels cannot run: not an
+x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a working C compiler.
 """
 
 from __future__ import annotations
