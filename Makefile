@@ -9,7 +9,7 @@ PROTOS := $(shell find protos -name '*.proto' 2>/dev/null)
 # wheels bring themselves, and a 1 GB install. Its other dependencies are Tandem's own (pyproject.toml).
 GRAMMAR_PACKAGE := xgrammar==0.2.8
 
-.PHONY: setup setup-vllm proto model test test-fast eval-check run bench-engine bench-worker bench-grammar bench-samples bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers soak compose-test clean
+.PHONY: setup setup-vllm proto model test test-fast eval-check run bench-engine bench-worker bench-grammar bench-samples bench-seed bench-matrix bench-router bench-hybrid bench-vllm-overhead bench-weights bench-step bench-peers bench-cpu soak compose-test clean
 
 setup: $(VENV)/.installed proto model
 
@@ -113,6 +113,13 @@ bench-weights: setup
 # A CPU decode step's time against the weight-read floor, by part: bench/results/step-budget.json.
 bench-step: setup
 	$(PY) bench/step_budget.py
+
+# Every benchmark that the CPU kernels' speed feeds, one after another, as on a machine that has timed no
+# crossover yet (the recorded one is moved aside to decode-rows.json.before): about 50 minutes on 2 cores.
+bench-cpu: setup
+	recorded=$$($(PY) -c 'from tandem.model_files import tandem_home; print(tandem_home() / "kernels" / "decode-rows.json")'); \
+		if [ -f "$$recorded" ]; then mv "$$recorded" "$$recorded.before"; fi
+	$(MAKE) bench-weights bench-peers bench-engine bench-step bench-router bench-matrix
 
 # Tandem against vLLM's CPU backend and llama.cpp (not part of `make test`): bench/results/peers.json.
 # The peers live in their own environment; llama-cpp-python builds from its source archive, which
