@@ -362,8 +362,9 @@ static inline __attribute__((always_inline)) void accumulate_int4_group(
  * weights, into y (ldy apart); rows_m is a constant at every call site. */
 #ifdef __AVX512VNNI__
 /* The tile's 16 output columns in one 512-bit vector; vpdpwssd multiplies and adds in one instruction what
- * vpmaddwd and vpaddd take two for. The low and the high nibbles' products sum apart, so that each sum waits on
- * its own last vpdpwssd only. */
+ * vpmaddwd and vpaddd take two for, but its sum waits on the vpdpwssd before it. So each row's products go to
+ * four sums, by nibble and by the parity of the quad: a step of one row is bound by vpdpwssd's throughput, not
+ * by its latency. */
 static inline __attribute__((always_inline)) void int4_tile(
     const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
     const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
@@ -374,9 +375,10 @@ static inline __attribute__((always_inline)) void int4_tile(
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i low_sums[INT4_ROWS], high_sums[INT4_ROWS];
+        __m512i sums[INT4_ROWS][4]; /* [row][2 · (quad % 2) + nibble] */
         for (int m = 0; m < rows_m; m++)
-            low_sums[m] = high_sums[m] = _mm512_setzero_si512();
+            sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
+#pragma GCC unroll 8 /* so that every sum is a register */
         for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
             if (quad % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
@@ -387,15 +389,17 @@ static inline __attribute__((always_inline)) void int4_tile(
                 int32_t pair_low, pair_high;
                 memcpy(&pair_low, xm, 4);
                 memcpy(&pair_high, xm + 2, 4);
-                low_sums[m] = _mm512_dpwssd_epi32(low_sums[m], low, _mm512_set1_epi32(pair_low));
-                high_sums[m] = _mm512_dpwssd_epi32(high_sums[m], high, _mm512_set1_epi32(pair_high));
+                __m512i *parity = sums[m] + 2 * (quad % 2);
+                parity[0] = _mm512_dpwssd_epi32(parity[0], low, _mm512_set1_epi32(pair_low));
+                parity[1] = _mm512_dpwssd_epi32(parity[1], high, _mm512_set1_epi32(pair_high));
             }
         }
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * INT4_TILE_N)));
         __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * INT4_TILE_N)));
         for (int m = 0; m < rows_m; m++) {
-            __m512 sums = _mm512_cvtepi32_ps(_mm512_add_epi32(low_sums[m], high_sums[m]));
-            acc[m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[m * groups + g])), acc[m]);
+            __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
+                                                              _mm512_add_epi32(sums[m][2], sums[m][3])));
+            acc[m] = _mm512_fmadd_ps(total, _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[m * groups + g])), acc[m]);
             acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[m * groups + g]), acc[m]);
         }
     }
