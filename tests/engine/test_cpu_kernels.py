@@ -48,21 +48,23 @@ def loaded(isa: str) -> cpu_kernels.CpuKernels:
 
 @pytest.fixture(scope="module", params=BUILDS + [EMULATED_AVX512] if "avx2" in BUILDS and "avx512" not in BUILDS
                 else BUILDS or ["none"])
-def kernels(request, tmp_path_factory):
+def kernels(request):
     """Each build this CPU runs; where it has AVX2 but no AVX-512, the AVX-512 build too, emulated."""
     if request.param == EMULATED_AVX512:
-        return avx512_on_avx2(tmp_path_factory.mktemp(EMULATED_AVX512))
+        return request.getfixturevalue("avx512_on_avx2")
     return loaded(request.param)
 
 
-def avx512_on_avx2(directory: Path) -> cpu_kernels.CpuKernels:
+@pytest.fixture(scope="session")
+def avx512_on_avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
     """The AVX-512 build, its AVX-512 intrinsics carried out in AVX2 ones (avx512_on_avx2.c): its arithmetic,
-    not its speed, on a CPU that cannot run it."""
+    not its speed, on a CPU that cannot run it. Compiled at -O1: SIMDe's operations, inlined and unrolled at
+    -O3, take over a minute to compile."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler here")
-    library = directory / f"{EMULATED_AVX512}.so"
-    subprocess.run([compiler, *cpu_kernels.FLAGS, "-Wno-psabi", f"-I{simde_py.get_include()}",
+    library = tmp_path_factory.mktemp(EMULATED_AVX512) / f"{EMULATED_AVX512}.so"
+    subprocess.run([compiler, *cpu_kernels.FLAGS, "-O1", "-Wno-psabi", f"-I{simde_py.get_include()}",
                     f'-DKERNELS_SOURCE="{cpu_kernels.SOURCE}"', str(Path(__file__).with_name("avx512_on_avx2.c")),
                     "-o", str(library)], check=True, capture_output=True, text=True)
     return cpu_kernels.CpuKernels(library, "avx512")
@@ -184,13 +186,13 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in
 
 
 @torch.inference_mode()
-def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(tmp_path):
+def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(request):
     """Its vpdpwssd sums the very int32 products that vpmaddwd and vpaddd sum in the AVX2 build, and it scales them
     with the same float32 operations: what the quality gate measured on one build holds on the other."""
     if "avx2" not in BUILDS:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     avx2 = loaded("avx2")
-    avx512 = loaded("avx512") if "avx512" in BUILDS else avx512_on_avx2(tmp_path)
+    avx512 = loaded("avx512") if "avx512" in BUILDS else request.getfixturevalue("avx512_on_avx2")
     torch.manual_seed(3)
     weight = on_q4_1_grid(torch.randn(45, 320))
     bias = torch.randn(45)
