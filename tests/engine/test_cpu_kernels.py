@@ -5,9 +5,7 @@ a step of decodes run through all the layers in one call against the same step o
 
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -60,7 +58,7 @@ def avx512_on_avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
     """The AVX-512 build, its AVX-512 intrinsics carried out in AVX2 ones (avx512_on_avx2.c): its arithmetic,
     not its speed, on a CPU that cannot run it. Compiled at -O1: SIMDe's operations, inlined and unrolled at
     -O3, take over a minute to compile."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = cpu_kernels.c_compiler()
     if compiler is None:
         pytest.skip("no C compiler here")
     library = tmp_path_factory.mktemp(EMULATED_AVX512) / f"{EMULATED_AVX512}.so"
@@ -369,7 +367,7 @@ def test_every_build_compiles(isa, tmp_path):
     """The kernel tests skip a build that does not load, as a process refused the AMX tile state must; a
     build that does not compile would hide behind that skip, and workers would run a narrower one. Each build
     compiles on any x86-64 machine, whether or not its CPU runs it."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = cpu_kernels.c_compiler()
     if platform.machine() != "x86_64" or compiler is None:
         pytest.skip("no x86-64 compiler here")
     cpu_kernels._build(compiler, cpu_kernels._flags(isa), tmp_path / f"{isa}.so")

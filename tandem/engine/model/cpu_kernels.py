@@ -616,7 +616,7 @@ def load(isa: str | None = None) -> CpuKernels | None:
     if isa is not None and isa not in usable:
         raise ValueError(f"this CPU cannot run the {isa} kernels (it runs: {', '.join(usable)})")
     candidates = [isa] if isa else usable
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     built = [name for name in candidates if _library(name).exists()]
     if compiler is None and not built:
         logger.warning("the CPU kernels need a C compiler (cc, gcc or $CC); decode steps use torch's ops")
@@ -631,6 +631,11 @@ def load(isa: str | None = None) -> CpuKernels | None:
             logger.warning("could not build or load the %s CPU kernels with %s (%s)", chosen, compiler, detail)
     logger.warning("no build of the CPU kernels loads here; decode steps use torch's ops")
     return None
+
+
+def c_compiler() -> str | None:
+    """``$CC``, else ``cc`` or ``gcc`` on the PATH; None where there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _flags(isa: str) -> tuple[str, ...]:
