@@ -117,7 +117,7 @@ bench-step: setup
 # Every benchmark that the CPU kernels' speed feeds, one after another, as on a machine that has timed no
 # crossover yet (the recorded one is moved aside to decode-rows.json.before): about 50 minutes on 2 cores.
 bench-cpu: setup
-	recorded=$$($(PY) -c 'from tandem.model_files import tandem_home; print(tandem_home() / "kernels" / "decode-rows.json")'); \
+	recorded=$$($(PY) -c 'from tandem.engine.model.crossover import recorded_crossovers; print(recorded_crossovers())'); \
 		if [ -f "$$recorded" ]; then mv "$$recorded" "$$recorded.before"; fi
 	$(MAKE) bench-weights bench-peers bench-engine bench-step bench-router bench-matrix
 

@@ -52,8 +52,13 @@ def measured_prompt_rows(combination: dict, time_linears: Callable[[int, bool], 
     return _measured({**combination, "path": "prompt linears"}, lambda: _prompt_crossover(time_linears))
 
 
+def recorded_crossovers() -> Path:
+    """Where this machine keeps the crossovers it has timed, one per combination."""
+    return tandem_home() / "kernels" / "decode-rows.json"
+
+
 def _measured(combination: dict, measure: Callable[[], int]) -> int:
-    path = tandem_home() / "kernels" / "decode-rows.json"
+    path = recorded_crossovers()
     key = json.dumps(combination, sort_keys=True)
     recorded = _read(path)
     if key in recorded:
