@@ -4,7 +4,8 @@ so that a change to the kernels is measured against the code before it under the
 
 Timed: every linear layer of the default model's shape (30 layers and the output head, each with its
 own weights) at 1 and 8 rows, in float16, int8 and uint4 (the default's decode weights on the default model's
-layers), and decode attention
+layers), the 30 layers in uint4 over a prompt chunk of 512 rows (rounded to int8 for their kernel), and decode
+attention
 over 30 layers (each with its own cache) for one sequence of 600 positions and for 8 sequences of about 600
 sharing a 496-token prefix, as in the burst.
 Writes bench/results/kernels-ab.json.
@@ -31,6 +32,7 @@ from weights import HEAD, LAYER
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = "tandem/engine/model/cpu_kernels.c"
 LAYERS, BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
+PROMPT_ROWS = 512
 FORMATS = {torch.float16: "float16", torch.int8: "int8", torch.uint4: "uint4"}
 
 
@@ -75,10 +77,10 @@ def main() -> None:
         caches = [(torch.randn(slots, KV_HEADS, HEAD_DIM), torch.randn(slots, KV_HEADS, HEAD_DIM))
                   for _ in range(LAYERS)]
 
-        def linears(name: str, dtype: torch.dtype, rows: int) -> float:
+        def linears(name: str, dtype: torch.dtype, rows: int, head: bool = True) -> float:
             inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
             start = time.perf_counter()
-            for weight in packed[name, dtype]:
+            for weight in packed[name, dtype][:None if head else LAYERS * len(LAYER)]:
                 builds[name].linear(inputs[weight.in_features], weight, None)
             return time.perf_counter() - start
 
@@ -98,6 +100,10 @@ def main() -> None:
                             linears(name, dtype, batch))
                     times.setdefault(f"attention_batch_{batch}_ms", {}).setdefault(name, []).append(
                         attention(name, tables, queries))
+        for _ in range(args.repeats):
+            for name in builds:  # the output head multiplies a prompt's last row only
+                times.setdefault(f"uint4_layers_{PROMPT_ROWS}_rows_ms", {}).setdefault(name, []).append(
+                    linears(name, torch.uint4, PROMPT_ROWS, head=False))
     report = {"baseline": args.baseline, "isa": isa, "threads": args.threads, "repeats": args.repeats,
               "median_ms": {probe: {name: statistics.median(runs) * 1000 for name, runs in by_build.items()}
                             for probe, by_build in times.items()}}

@@ -185,8 +185,9 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in
 
 @torch.inference_mode()
 def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(request):
-    """Its vpdpwssd sums the very int32 products that vpmaddwd and vpaddd sum in the AVX2 build, and it scales them
-    with the same float32 operations: what the quality gate measured on one build holds on the other."""
+    """Its vpdpwssd and vpdpbusd (rows rounded to int8, from ``uint4_int8_rows`` rows) sum the very int32 products
+    that vpmaddwd and vpmaddubsw sum in the AVX2 build, and it scales them with the same float32 operations: what
+    the quality gate measured on one build holds on the other."""
     if "avx2" not in BUILDS:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     avx2 = loaded("avx2")
@@ -194,7 +195,7 @@ def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(r
     torch.manual_seed(3)
     weight = on_q4_1_grid(torch.randn(45, 320))
     bias = torch.randn(45)
-    for rows in (1, 3, 4, 9, 64):
+    for rows in (1, 3, 4, 9, 64, 128, 133):
         x = torch.randn(rows, 320)
         assert torch.equal(avx512.linear(x, avx512.pack(weight, torch.uint4), bias),
                            avx2.linear(x, avx2.pack(weight, torch.uint4), bias))

@@ -304,7 +304,7 @@ static void *scratch(size_t bytes)
  * each group, and a group's products summed in int32 by vpmaddwd (vpdpwssd in the AVX-512 builds), which
  * multiplies twice as many pairs a cycle as FMA multiplies floats, so that a step of many rows (a prompt chunk)
  * runs faster in integers than in float32 too;
- * steps of INT4_INT8_ROWS rows or more round them to int8 for vpmaddubsw, twice as many pairs again.
+ * steps of INT4_INT8_ROWS rows or more round them to int8 for vpmaddubsw (vpdpbusd), twice as many pairs again.
  * The weights are laid out as a matrix multiply wants them: in tiles of INT4_TILE_N weight rows (two vectors of
  * output columns), 32 bytes per 4 columns of x, [tiles][k_size / 4][2][16 bytes], byte j of a vector holding
  * output column j / 2's weights at columns 4i + j % 2 (its low nibble) and 4i + 2 + j % 2 (its high nibble).
@@ -361,10 +361,36 @@ static inline __attribute__((always_inline)) void accumulate_int4_group(
 /* rows_m rows of x (int16, k_size apart; their groups' scales and sums `groups` apart) against one tile of
  * weights, into y (ldy apart); rows_m is a constant at every call site. */
 #ifdef __AVX512VNNI__
-/* The tile's 16 output columns in one 512-bit vector; vpdpwssd multiplies and adds in one instruction what
- * vpmaddwd and vpaddd take two for, but its sum waits on the vpdpwssd before it. So each row's products go to
- * four sums, by nibble and by the parity of the quad: a step of one row is bound by vpdpwssd's throughput, not
- * by its latency. */
+/* The VNNI builds hold a tile's 16 output columns in one 512-bit vector. */
+
+/* A group's int32 sums of rows_m rows against a tile into their float32 sums, as accumulate_int4_group does. */
+static inline __attribute__((always_inline)) void accumulate_int4_group16(
+    __m512 acc[], const __m512i totals[], const uint16_t *scales, const uint16_t *mins, int64_t g,
+    const float *x_scales, const float *x_sums, int64_t groups, int rows_m)
+{
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * INT4_TILE_N)));
+    __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * INT4_TILE_N)));
+    for (int m = 0; m < rows_m; m++) {
+        __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[m * groups + g]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(totals[m]), row_scale, acc[m]);
+        acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[m * groups + g]), acc[m]);
+    }
+}
+
+static inline __attribute__((always_inline)) void store_int4_tile16(const __m512 acc[], const float *bias, float *y,
+                                                                    int64_t ldy, int rows_m, int columns)
+{
+    for (int m = 0; m < rows_m; m++) {
+        float out[INT4_TILE_N];
+        _mm512_storeu_ps(out, acc[m]);
+        for (int n = 0; n < columns; n++)
+            y[m * ldy + n] = bias ? out[n] + bias[n] : out[n];
+    }
+}
+
+/* vpdpwssd multiplies and adds in one instruction what vpmaddwd and vpaddd take two for, but its sum waits on the
+ * vpdpwssd before it. So each row's products go to four sums, by nibble and by the parity of the quad: a step of
+ * one row is bound by vpdpwssd's throughput, not by its latency. */
 static inline __attribute__((always_inline)) void int4_tile(
     const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
     const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
@@ -394,21 +420,13 @@ static inline __attribute__((always_inline)) void int4_tile(
                 parity[1] = _mm512_dpwssd_epi32(parity[1], high, _mm512_set1_epi32(pair_high));
             }
         }
-        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * INT4_TILE_N)));
-        __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * INT4_TILE_N)));
-        for (int m = 0; m < rows_m; m++) {
-            __m512 total = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
-                                                              _mm512_add_epi32(sums[m][2], sums[m][3])));
-            acc[m] = _mm512_fmadd_ps(total, _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[m * groups + g])), acc[m]);
-            acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[m * groups + g]), acc[m]);
-        }
+        __m512i totals[INT4_ROWS];
+        for (int m = 0; m < rows_m; m++)
+            totals[m] = _mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
+                                         _mm512_add_epi32(sums[m][2], sums[m][3]));
+        accumulate_int4_group16(acc, totals, scales, mins, g, x_scales, x_sums, groups, rows_m);
     }
-    for (int m = 0; m < rows_m; m++) {
-        float out[INT4_TILE_N];
-        _mm512_storeu_ps(out, acc[m]);
-        for (int n = 0; n < columns; n++)
-            y[m * ldy + n] = bias ? out[n] + bias[n] : out[n];
-    }
+    store_int4_tile16(acc, bias, y, ldy, rows_m, columns);
 }
 #else
 static inline __attribute__((always_inline)) void int4_tile(
@@ -449,12 +467,20 @@ static inline __attribute__((always_inline)) void int4_tile(
 }
 #endif
 
-/* x[0, INT4_GROUP) scaled to ±127 and rounded to nearest, each pair of its bytes written twice (x0 x1 x0 x1,
- * x2 x3 x2 x3, ...: 64 bytes), so that a pair is one 32-bit broadcast for vpmaddubsw; returns the scale, and the
- * rounded values' sum in *sum: a weight is step · q + min, and with the sum of the very values the steps meet,
- * rounding errors of x cost the weights' deviation from their mean, not all of step · q (0.51% of a row's
- * outputs for unit normal x, against 0.70% with x's own sum). */
-static inline float quantize_int8_pairs(const float *x, int8_t *q, float *sum)
+/* Rows of x rounded to int8 take INT8_ROW_BYTES bytes a column, as the build's int4_tile_int8_rows reads them: each
+ * value once where vpdpbusd multiplies four of them at a time, each pair of them written twice (x0 x1 x0 x1,
+ * x2 x3 x2 x3, ...) where a pair is one 32-bit broadcast for vpmaddubsw. */
+#ifdef __AVX512VNNI__
+#define INT8_ROW_BYTES 1
+#else
+#define INT8_ROW_BYTES 2
+#endif
+
+/* x[0, INT4_GROUP) scaled to ±127 and rounded to nearest, into q (INT8_ROW_BYTES · INT4_GROUP bytes); returns the
+ * scale, and the rounded values' sum in *sum: a weight is step · q + min, and with the sum of the very values the
+ * steps meet, rounding errors of x cost the weights' deviation from their mean, not all of step · q (0.51% of a
+ * row's outputs for unit normal x, against 0.70% with x's own sum). */
+static inline float quantize_int8(const float *x, int8_t *q, float *sum)
 {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 top = _mm256_setzero_ps();
@@ -472,13 +498,61 @@ static inline float quantize_int8_pairs(const float *x, int8_t *q, float *sum)
     }
     *sum = horizontal_sum(_mm256_cvtepi32_ps(rounded_total)) * (largest / 127.0f);
     __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words[0], words[1]), 0xD8);
+#ifdef __AVX512VNNI__
+    _mm256_storeu_si256((__m256i *)q, bytes);
+#else
     __m256i pairs_low = _mm256_unpacklo_epi16(bytes, bytes), pairs_high = _mm256_unpackhi_epi16(bytes, bytes);
     _mm256_storeu_si256((__m256i *)q, _mm256_permute2x128_si256(pairs_low, pairs_high, 0x20));
     _mm256_storeu_si256((__m256i *)(q + 32), _mm256_permute2x128_si256(pairs_low, pairs_high, 0x31));
+#endif
     return largest / 127.0f;
 }
 
-/* As int4_tile, for rows of x rounded to int8 (quantize_int8_pairs, 2 · k_size bytes a row): vpmaddubsw multiplies
+/* As int4_tile, for rows of x rounded to int8 (quantize_int8, k_size bytes a row): vpdpbusd multiplies four of a
+ * weight row's nibbles, widened to bytes, by four of x's bytes and adds the four products to the row's int32 sum.
+ * A quad's nibbles are put in that order once for all the rows: the low nibbles of bytes 2c and 2c + 1 (x's
+ * columns 4i and 4i + 1) and their high nibbles (4i + 2, 4i + 3) side by side, output column c's four bytes. */
+#ifdef __AVX512VNNI__
+static inline __attribute__((always_inline)) void int4_tile_int8_rows(
+    const int8_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
+    const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
+{
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    /* unpacking the low and high nibbles in 128-bit lanes yields columns 0-3 and 8-11, then 4-7 and 12-15 */
+    const __m512i in_column_order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const int64_t groups = k_size / INT4_GROUP;
+    __m512 acc[INT4_ROWS];
+    for (int m = 0; m < rows_m; m++)
+        acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i sums[INT4_ROWS][2]; /* [row][quad % 2]: a row's next vpdpbusd need not wait on its last */
+        for (int m = 0; m < rows_m; m++)
+            sums[m][0] = sums[m][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
+            if (quad % 2 == 0)
+                _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
+            __m256i packed = _mm256_loadu_si256((const __m256i *)w);
+            __m256i low = _mm256_and_si256(packed, nibble);
+            __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            __m512i weights = _mm512_permutex2var_epi64(_mm512_castsi256_si512(_mm256_unpacklo_epi16(low, high)),
+                                                        in_column_order,
+                                                        _mm512_castsi256_si512(_mm256_unpackhi_epi16(low, high)));
+            for (int m = 0; m < rows_m; m++) {
+                int32_t four;
+                memcpy(&four, xq + m * k_size + g * INT4_GROUP + quad * 4, 4);
+                sums[m][quad % 2] = _mm512_dpbusd_epi32(sums[m][quad % 2], weights, _mm512_set1_epi32(four));
+            }
+        }
+        __m512i totals[INT4_ROWS];
+        for (int m = 0; m < rows_m; m++)
+            totals[m] = _mm512_add_epi32(sums[m][0], sums[m][1]);
+        accumulate_int4_group16(acc, totals, scales, mins, g, x_scales, x_sums, groups, rows_m);
+    }
+    store_int4_tile16(acc, bias, y, ldy, rows_m, columns);
+}
+#else
+/* As int4_tile, for rows of x rounded to int8 (quantize_int8, 2 · k_size bytes a row): vpmaddubsw multiplies
  * a vector's 32 nibbles, widened to bytes, by a broadcast pair of x's bytes and sums each weight row's two products
  * into int16, twice the pairs a vpmaddwd multiplies. A group's sums stay in int16 (8 of 2 · 15 · 127 a lane for
  * each of the low and the high nibbles) until they are added in int32 once a group. */
@@ -523,6 +597,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
     }
     store_int4_tile(acc, bias, y, ldy, rows_m, columns);
 }
+#endif
 
 /* Returns -2 where it cannot allocate its working memory. */
 static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8_t *w, const uint16_t *scales,
@@ -530,7 +605,7 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
 {
     int64_t tiles = (n_size + INT4_TILE_N - 1) / INT4_TILE_N, groups = k_size / INT4_GROUP;
     int int8_rows = rows >= INT4_INT8_ROWS;
-    /* a row's int16 values and its int8 pairs take the same 2 · k_size bytes */
+    /* a row's int16 values take 2 · k_size bytes, its int8 values no more */
     char *area = scratch(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
     if (!area)
         return -2;
@@ -542,7 +617,7 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
         for (int64_t g = 0; g < groups; g++) {
             int64_t at = m * k_size + g * INT4_GROUP;
             x_scales[m * groups + g] =
-                int8_rows ? quantize_int8_pairs(x + at, (int8_t *)xq + 2 * at, x_sums + m * groups + g)
+                int8_rows ? quantize_int8(x + at, (int8_t *)xq + INT8_ROW_BYTES * at, x_sums + m * groups + g)
                           : quantize_int16(x + at, INT4_GROUP, (int16_t *)xq + at, x_sums + m * groups + g);
         }
     /* each thread its own run of tiles, so that they pass over one block of rows after another */
@@ -562,8 +637,9 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
 #define INT4_ROWS_CASE(count)                                                                                      \
     case count:                                                                                                    \
         if (int8_rows)                                                                                             \
-            int4_tile_int8_rows((int8_t *)xq + 2 * m * k_size, x_scales + m * groups, x_sums + m * groups, k_size, \
-                                wt, st, mt, bt, y + m * n_size + n, n_size, count, columns);                       \
+            int4_tile_int8_rows((int8_t *)xq + INT8_ROW_BYTES * m * k_size, x_scales + m * groups,                 \
+                                x_sums + m * groups, k_size, wt, st, mt, bt, y + m * n_size + n, n_size, count,    \
+                                columns);                                                                          \
         else                                                                                                       \
             int4_tile((int16_t *)xq + m * k_size, x_scales + m * groups, x_sums + m * groups, k_size, wt, st, mt,  \
                       bt, y + m * n_size + n, n_size, count, columns);                                             \
