@@ -11,7 +11,8 @@ It reports the most rows at which the default decode copy beats packed fp32.
 Then whole decode steps of the default model: 1 to 64 rows on its default decode copy through the one-call
 kernel against the same step layer by layer on each kind of batched weights (float32, and bfloat16 where
 the CPU multiplies it), and the crossover a worker uses here (``tandem/engine/model/crossover.py``); where
-the copy wins them all, one layer's linears over prompt chunks of 128 to 4096 rows on both, and ``prompt_rows``.
+the copy may win prompt chunks too (``crossover.copy_may_win_prompts``), one layer's linears over chunks of 128 to
+4096 rows on both, and ``prompt_rows``.
 Writes bench/results/weights.json.
 """
 
@@ -129,7 +130,7 @@ def whole_decode_steps(batched: str) -> dict:
               f"weights {batched_s * 1000:.1f} ms", flush=True)
     print(f"with {batched} batched weights, steps of up to {runner.model.decode_rows} rows read the decode copy here")
     prompt_ms = {}
-    if runner.model.decode_rows == crossover.LADDER[-1]:
+    if crossover.copy_may_win_prompts(runner.model.decode_rows, copy):
         for rows in crossover.PROMPT_LADDER:
             decode_copy_s, batched_s = crossover.step_seconds(runner.prompt_linears, rows)
             prompt_ms[rows] = {copy: decode_copy_s * 1000, batched: batched_s * 1000}

@@ -74,6 +74,14 @@ def test_the_ladder_stops_at_the_rows_the_cache_can_hold(home):
     assert max(size for size, _ in timed) == 8
 
 
+def test_prompt_chunks_are_timed_where_the_copy_won_every_decode_step_or_its_layers_are_uint4():
+    assert crossover.copy_may_win_prompts(crossover.LADDER[-1], "int8")
+    assert not crossover.copy_may_win_prompts(crossover.LADDER[-2], "int8")
+    assert not crossover.copy_may_win_prompts(crossover.LADDER[-2], "float16")
+    assert crossover.copy_may_win_prompts(crossover.LADDER[-2], "uint4+int8")
+    assert crossover.copy_may_win_prompts(0, "uint4+int8")
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
                     reason="needs the CPU kernels and oneDNN")
 def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_reads_the_figure(home, tiny_model,
@@ -87,7 +95,7 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
     recorded = {json.loads(key).get("path", "decode steps"): rows
                 for key, rows in json.loads((home / "kernels" / "decode-rows.json").read_text()).items()}
     assert recorded["decode steps"] == first.model.decode_rows
-    # prompt chunks are timed only where the copy won every decode step
+    # prompt chunks of an int8 copy are timed only where it won every decode step
     assert recorded.get("prompt linears", 0) == first.model.prompt_rows
     assert ("prompt linears" in recorded) == (first.model.decode_rows == crossover.LADDER[-1])
     assert first.model.prompt_rows in (0, *crossover.PROMPT_LADDER)

@@ -7,9 +7,11 @@ multiplies bfloat16). Where the two cross depends on the CPU, the model's shape,
 threads, so it is timed on whole decode steps, once for each such combination on a machine, and kept in
 ``$TANDEM_HOME/kernels/decode-rows.json``. ``make bench-weights`` reports it beside the per-layer timings.
 
-A copy that wins every step size up to the largest decode step may win on prompt chunks too: uint4 weights,
-multiplied in integers, beat float32 ones there on a CPU without bfloat16 arithmetic. How far, in rows, is timed
-on one decoder layer's linears (a chunk's attention is the same on either path) and kept in the same file.
+A copy that wins every step size up to the largest decode step may win on prompt chunks too, and so may uint4
+weights wherever they are the copy: a chunk's rows, rounded to int8, multiply them in integers (with AVX512-VNNI,
+four products an instruction), which beats float32 weights everywhere and bfloat16 ones on some CPUs. How far, in
+rows, is timed on one decoder layer's linears (a chunk's attention is the same on either path) and kept in the
+same file.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # The step sizes timed, in rows. A step of more rows than the largest reads the batched weights.
 LADDER = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-# The prompt chunk sizes timed where the copy wins all of LADDER, up to the longest chunk a step takes by default
+# The prompt chunk sizes timed where the copy may win on them, up to the longest chunk a step takes by default
 # (SchedulerConfig.max_prefill_step_tokens).
 PROMPT_LADDER = (128, 256, 512, 1024, 2048, 4096)
 REPEATS = 5  # timed runs of each path at each size, interleaved; the median counts
@@ -50,6 +52,13 @@ def measured_prompt_rows(combination: dict, time_linears: Callable[[int, bool], 
     either path. Both paths cost about the same per row at every chunk size, so the sum decides on all the
     ladder's timings at once, not on the first that a stall of the host turned."""
     return _measured({**combination, "path": "prompt linears"}, lambda: _prompt_crossover(time_linears))
+
+
+def copy_may_win_prompts(decode_rows: int, decode_weights: str) -> bool:
+    """Whether prompt chunks are worth timing on the decode copy (``decode_weights``, as "uint4+int8"): where it
+    won every decode step (``decode_rows``), or where its layers are uint4, whose chunks' rows, rounded to int8,
+    multiply them in a kernel of their own."""
+    return decode_rows == LADDER[-1] or "uint4" in decode_weights
 
 
 def recorded_crossovers() -> Path:

@@ -143,7 +143,7 @@ class ModelRunner:
         if self.model.decode_weights:  # a CPU model with a decode copy of its weights
             combination = self._crossover_combination(kernels)
             self.model.decode_rows = crossover.measured_decode_rows(combination, self.decode_step, self.num_kv_blocks)
-            if self.model.decode_rows == crossover.LADDER[-1]:
+            if crossover.copy_may_win_prompts(self.model.decode_rows, self.decode_weights):
                 self.model.prompt_rows = crossover.measured_prompt_rows(combination, self.prompt_linears)
         logger.info("model %s on %s (%s, %s weights for steps of up to %d rows and prompt chunks of up to %d, %s "
                     "for larger ones): %d KV blocks of %d tokens", model_dir, self.device, self.dtype,
