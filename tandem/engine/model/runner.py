@@ -179,11 +179,14 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_linears(self, rows: int, decode_copy: bool) -> None:
         """``rows`` rows through the first decoder layer's linears, on the decode copy of the weights or on the
-        batched ones, as a prompt chunk of ``rows`` tokens passes them."""
+        batched ones, as a prompt chunk of ``rows`` tokens passes them: the batched weights take rows made in their
+        own dtype (bfloat16 ones bfloat16 rows), the copy float32 ones."""
         chosen, self.model.prompt_rows = self.model.prompt_rows, rows if decode_copy else 0
         layer, config = self.model.layers[0], self.config
+        dtype = torch.float32 if decode_copy else self.batched_dtype
         # constant rows: the values do not change the time, and drawing random ones would be timed beside them
-        hidden, heads = torch.ones(rows, config.hidden_size), torch.ones(rows, layer.self_attn.split[0])
+        hidden = torch.ones(rows, config.hidden_size, dtype=dtype)
+        heads = torch.ones(rows, layer.self_attn.split[0], dtype=dtype)
         try:
             layer.self_attn.qkv_proj(hidden)
             layer.self_attn.o_proj(heads)
