@@ -312,7 +312,13 @@ static void *scratch(size_t bytes)
  * columns' sums of two products each. The scales and the mins are [tiles][k_size / 32][INT4_TILE_N]. */
 #define INT4_GROUP 32
 #define INT4_TILE_N 16
-#define INT4_ROWS 4 /* rows of x against a tile at once: 8 int32 sums, 4 weight and 2 x vectors in registers */
+/* rows of x against a tile at once: in AVX2, 8 int32 sums, 4 weight and 2 x vectors in registers; in the VNNI
+ * builds, 16 int32 sums and 8 float32 ones among the 32 vector registers */
+#ifdef __AVX512VNNI__
+#define INT4_ROWS 8
+#else
+#define INT4_ROWS 4
+#endif
 #define INT4_ROW_BLOCK 64 /* rows whose int16 values stay in L2 while a thread's tiles pass over them */
 /* Steps of at least this many rows (prompt chunks, with any decodes beside them; the decode crossover times steps
  * of up to 64) round x to int8, not int16, for vpmaddubsw (int4_tile_int8_rows). */
@@ -389,8 +395,9 @@ static inline __attribute__((always_inline)) void store_int4_tile16(const __m512
 }
 
 /* vpdpwssd multiplies and adds in one instruction what vpmaddwd and vpaddd take two for, but its sum waits on the
- * vpdpwssd before it. So each row's products go to four sums, by nibble and by the parity of the quad: a step of
- * one row is bound by vpdpwssd's throughput, not by its latency. */
+ * vpdpwssd before it. So in passes of up to 4 rows each row's products go to four sums, by nibble and by the parity
+ * of the quad: a step of one row is bound by vpdpwssd's throughput, not by its latency. More rows' sums are enough
+ * to wait on apart. */
 static inline __attribute__((always_inline)) void int4_tile(
     const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
     const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
@@ -401,7 +408,8 @@ static inline __attribute__((always_inline)) void int4_tile(
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[INT4_ROWS][4]; /* [row][2 · (quad % 2) + nibble] */
+        const int parities = rows_m > 4 ? 1 : 2;
+        __m512i sums[INT4_ROWS][4]; /* [row][2 · (quad % parities) + nibble] */
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
 #pragma GCC unroll 8 /* so that every sum is a register */
@@ -415,7 +423,7 @@ static inline __attribute__((always_inline)) void int4_tile(
                 int32_t pair_low, pair_high;
                 memcpy(&pair_low, xm, 4);
                 memcpy(&pair_high, xm + 2, 4);
-                __m512i *parity = sums[m] + 2 * (quad % 2);
+                __m512i *parity = sums[m] + 2 * (quad % parities);
                 parity[0] = _mm512_dpwssd_epi32(parity[0], low, _mm512_set1_epi32(pair_low));
                 parity[1] = _mm512_dpwssd_epi32(parity[1], high, _mm512_set1_epi32(pair_high));
             }
@@ -646,6 +654,9 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
         break;
                     switch (block_end - m < INT4_ROWS ? block_end - m : INT4_ROWS) {
                         INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
+#if INT4_ROWS == 8
+                        INT4_ROWS_CASE(5) INT4_ROWS_CASE(6) INT4_ROWS_CASE(7) INT4_ROWS_CASE(8)
+#endif
                     }
 #undef INT4_ROWS_CASE
                 }
