@@ -475,6 +475,16 @@ static inline __attribute__((always_inline)) void int4_tile(
 }
 #endif
 
+/* A quad's 32 bytes of weights (16 output columns' 4 columns of x) split into their low and high nibbles, a byte
+ * each. */
+static inline void split_nibbles(const uint8_t *w, __m256i *low, __m256i *high)
+{
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i packed = _mm256_loadu_si256((const __m256i *)w);
+    *low = _mm256_and_si256(packed, nibble);
+    *high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+}
+
 /* Rows of x rounded to int8 take INT8_ROW_BYTES bytes a column, as the build's int4_tile_int8_rows reads them: each
  * value once where vpdpbusd multiplies four of them at a time, each pair of them written twice (x0 x1 x0 x1,
  * x2 x3 x2 x3, ...) where a pair is one 32-bit broadcast for vpmaddubsw. */
@@ -525,7 +535,6 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
     const int8_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
     const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
 {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
     /* unpacking the low and high nibbles in 128-bit lanes yields columns 0-3 and 8-11, then 4-7 and 12-15 */
     const __m512i in_column_order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
     const int64_t groups = k_size / INT4_GROUP;
@@ -540,9 +549,8 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
         for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
             if (quad % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m256i packed = _mm256_loadu_si256((const __m256i *)w);
-            __m256i low = _mm256_and_si256(packed, nibble);
-            __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            __m256i low, high;
+            split_nibbles(w, &low, &high);
             __m512i weights = _mm512_permutex2var_epi64(_mm512_castsi256_si512(_mm256_unpacklo_epi16(low, high)),
                                                         in_column_order,
                                                         _mm512_castsi256_si512(_mm256_unpackhi_epi16(low, high)));
@@ -568,7 +576,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
     const int8_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
     const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
 {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups = k_size / INT4_GROUP;
     __m256 acc[INT4_ROWS][2];
     for (int m = 0; m < rows_m; m++)
@@ -580,9 +588,8 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
         for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
             if (quad % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m256i packed = _mm256_loadu_si256((const __m256i *)w);
-            __m256i low = _mm256_and_si256(packed, nibble);
-            __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            __m256i low, high;
+            split_nibbles(w, &low, &high);
             for (int m = 0; m < rows_m; m++) {
                 const int8_t *xm = xq + 2 * (m * k_size + g * INT4_GROUP + quad * 4);
                 int32_t pair_low, pair_high;
