@@ -407,8 +407,8 @@ static inline __attribute__((always_inline)) void int4_tile(
     __m512 acc[INT4_ROWS];
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
+    const int parities = rows_m > 4 ? 1 : 2;
     for (int64_t g = 0; g < groups; g++) {
-        const int parities = rows_m > 4 ? 1 : 2;
         __m512i sums[INT4_ROWS][4]; /* [row][2 · (quad % parities) + nibble] */
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
