@@ -1,8 +1,8 @@
 """A prefill chunk's attention, one layer of the default model's heads (9 query heads over 3 key-value heads of
-64): the CPU kernels' float32 ``prefill_attention`` against torch's ``scaled_dot_product_attention`` as the
-engine called it without the kernel (causal for a first chunk; after a cached prefix, the context gathered from
-the cache and an additive mask). Each case timed in turns, the median of ``--repeats``. Writes
-bench/results/prefill-attention.json.
+64): the CPU kernels' ``prefill_attention`` in float32, and in bfloat16 products where the build has them
+(AVX512-BF16), against torch's float32 ``scaled_dot_product_attention`` as the engine called it without the
+kernel (causal for a first chunk; after a cached prefix, the context gathered from the cache and an additive
+mask). Each case timed in turns, the median of ``--repeats``. Writes bench/results/prefill-attention.json.
 
     .venv/bin/python bench/prefill_attention.py
 """
@@ -51,11 +51,15 @@ def main() -> None:
         qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
         q = qkv[:, :HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
         out = torch.empty(tokens, HEADS, HEAD_DIM)
+        out_bf16 = torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16)
         hidden = torch.arange(context)[None, :] > torch.arange(prefix, context)[:, None]
         mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))[None, None]
 
         def kernel():
             kernels.prefill_attention(q, k_cache, v_cache, slots, scale, out)
+
+        def kernel_bf16():
+            kernels.prefill_attention(q, k_cache, v_cache, slots, scale, out_bf16)
 
         own_keys, own_values = k_cache[slots], v_cache[slots]  # a first chunk's: the projection's own rows
 
@@ -66,20 +70,26 @@ def main() -> None:
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=mask if prefix else None, is_causal=not prefix, scale=scale, enable_gqa=True)
 
+        cases = {"kernel": kernel, "torch": torch_sdpa}
+        expected = torch_sdpa()[0].transpose(0, 1)
         kernel()
-        torch.testing.assert_close(out, torch_sdpa()[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
-        times = {"kernel": [], "torch": []}
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        if kernels.attends_prefills(HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16):
+            cases["kernel_bf16"] = kernel_bf16
+            kernel_bf16()
+            torch.testing.assert_close(out_bf16.float(), expected, rtol=0.02, atol=0.01)
+        times = {name: [] for name in cases}
         for _ in range(3):
-            times["kernel"].append(timed(kernel, args.repeats))
-            times["torch"].append(timed(torch_sdpa, args.repeats))
+            for name, case in cases.items():
+                times[name].append(timed(case, args.repeats))
         flops = 4 * HEAD_DIM * HEADS * sum(prefix + i + 1 for i in range(tokens))
         row = {"tokens": tokens, "prefix": prefix}
         for name, seconds in times.items():
             median = statistics.median(seconds)
             row[f"{name}_ms"], row[f"{name}_gflops"] = median * 1e3, flops / median / 1e9
         results.append(row)
-        print(f"{tokens} tokens after {prefix}: kernel {row['kernel_ms']:.2f} ms ({row['kernel_gflops']:.0f} GFLOP/s), "
-              f"torch {row['torch_ms']:.2f} ms ({row['torch_gflops']:.0f} GFLOP/s)")
+        print(f"{tokens} tokens after {prefix}: " + ", ".join(
+            f"{name} {row[f'{name}_ms']:.2f} ms ({row[f'{name}_gflops']:.0f} GFLOP/s)" for name in times))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "prefill-attention.json").write_text(json.dumps(
         {"isa": kernels.isa, "threads": args.threads, "cases": results}, indent=2) + "\n")

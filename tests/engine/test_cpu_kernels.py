@@ -33,7 +33,8 @@ EMULATED_AVX512 = "avx512-on-avx2"
 
 @pytest.fixture(scope="module", params=BUILDS or ["none"])
 def native_kernels(request):
-    """Each build this CPU runs: AVX2, AVX-512 where the CPU has it, and AMX where it has AMX tiles."""
+    """Each build this CPU runs: AVX2, AVX-512 where the CPU has it, AVX-512 with AVX512-BF16 where it has that,
+    and AMX where it has AMX tiles."""
     return loaded(request.param)
 
 
@@ -467,8 +468,8 @@ def test_decode_attention_reads_each_context_through_its_block_table(kernels, he
 def test_prefill_attention_is_causal_attention_over_the_slots(kernels, dtype, tokens, prefix, heads, kv_heads,
                                                               head_dim, rising):
     if not kernels.attends_prefills(heads, kv_heads, head_dim, dtype):
-        assert dtype == torch.bfloat16 and not kernels.amx_block_rows  # bfloat16 is the AMX build's alone
-        pytest.skip("bfloat16 prefill attention is the AMX build's")
+        assert dtype == torch.bfloat16 and not kernels.prefill_attention_in_bfloat16
+        pytest.skip("bfloat16 prefill attention is the AVX512-BF16 builds'")
     torch.manual_seed(tokens)
     context, num_slots = tokens + prefix, tokens + prefix + 50
     k_cache, v_cache = torch.randn(num_slots, kv_heads, head_dim), torch.randn(num_slots, kv_heads, head_dim)
@@ -686,16 +687,16 @@ def _one_call_matches_one_op_at_a_time(model, decode_weights: str, copy: str, mo
 
 
 @torch.inference_mode()
-def test_a_small_step_with_prompt_chunks_attends_them_in_tiles_in_the_same_one_call(tiny_llama_64, monkeypatch):
-    """Where the CPU kernels attend prefill chunks (AMX), a small step's prompt chunks, beside its decodes or
-    alone, attend as prefill chunks inside the one call, exactly as layer by layer."""
+def test_a_small_step_with_prompt_chunks_attends_them_as_chunks_in_the_same_one_call(tiny_llama_64, monkeypatch):
+    """Where the CPU kernels attend prefill chunks in bfloat16 (AVX512-BF16), a small step's prompt chunks, beside
+    its decodes or alone, attend as prefill chunks inside the one call, exactly as layer by layer."""
     skip_without_native_bfloat16()
     engine = build_engine(str(tiny_llama_64), "cpu", "float32",
                           SchedulerConfig(max_num_batched_tokens=16, max_prefill_step_tokens=16),
                           CacheConfig(num_kv_blocks=64), calibrate=False, decode_weights="int8",
                           batched_weights="bfloat16")
-    if not engine.executor.model.attends_prefills_in_tiles:
-        pytest.skip("needs the AMX build's prefill attention")
+    if not engine.executor.model.attends_prefills_in_bfloat16:
+        pytest.skip("needs the bfloat16 prefill attention of the builds with AVX512-BF16")
     compared = _run_each_small_step_both_ways(engine, 16, (3, 20, 45), monkeypatch)
     assert any(decodes and chunks for rows, decodes, chunks in compared)  # decodes beside a chunk
     assert any(not decodes and chunks > 1 for rows, decodes, chunks in compared)  # chunks alone, one after another

@@ -25,8 +25,9 @@
  * softmax, the query heads that share a key-value head together, and the positions that all the
  * sequences share (a common prompt prefix) read once for all of them.
  *
- * tandem_prefill_attention (the AMX build): a prefill chunk's causal attention over its context, flash style in
- * AMX tiles (below amx_linear).
+ * tandem_prefill_attention (the builds with AVX512-BF16): a prefill chunk's causal attention over its context,
+ * flash style, in bfloat16 products with float32 sums: in AMX tiles in the AMX build, in AVX512-BF16's dot
+ * products in the others (below amx_linear). tandem_prefill_attention_float32 (every build): the same in float32.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -1046,28 +1047,35 @@ int tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const ui
     return 0;
 }
 
-/* Causal attention of a prefill chunk in AMX tiles, flash style, in two passes for each query head and block
- * of 16 query rows. The first scores ATTENTION_KEYS keys at a time (bfloat16 products, float32 sums in tiles
- * 2-5) and softmaxes them online in float32 into bfloat16 probabilities for the whole context. A row's
- * running maximum moves only when a block's scores pass it by more than RESCALE_AFTER (in log2 units), so the
- * probabilities stay below 2^RESCALE_AFTER and the output rarely needs rescaling. The second multiplies the
- * probabilities by the values, keeping up to 64 output columns in tiles 2-5 across all the keys; they are
- * stored and rescaled only at a block where a row's maximum moved. Tiles 0 and 1 take the queries or
- * probabilities, and the keys or values. */
+#else
+int tandem_linear_amx_block_rows(void)
+{
+    return 0;
+}
+
+int tandem_linear_amx_min_rows(void)
+{
+    return 0;
+}
+#endif
+
+#ifdef __AVX512BF16__
+/* Causal attention of a prefill chunk in bfloat16 products with float32 sums, flash style, in two passes for
+ * each key-value head and block of ATTENTION_ROWS query rows. The first scores ATTENTION_KEYS keys at a time and
+ * softmaxes them online in float32 into bfloat16 probabilities for the whole context. A row's running maximum
+ * moves only when a block's scores pass it by more than RESCALE_AFTER (in log2 units), so the probabilities stay
+ * below 2^RESCALE_AFTER and the output rarely needs rescaling. The second multiplies the probabilities by the
+ * values, keeping the sums of up to 64 output columns across all the keys; they are rescaled only at a block
+ * where a row's maximum moved. The AMX build multiplies in tiles; the others, in AVX512-BF16's dot products of
+ * bfloat16 pairs (vdpbf16ps), 16 float32 sums a vector. */
+#define ATTENTION_ROWS 16
 #define ATTENTION_KEYS 64
 #define ATTENTION_MAX_HEAD_DIM 256
 #define RESCALE_AFTER 8.0f
 
-static void configure_attention_tiles(void)
+int tandem_prefill_attention_in_bfloat16(void)
 {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        config.rows[t] = AMX_ROWS;
-        config.bytes_per_row[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    return 1;
 }
 
 /* 2^x for x up to RESCALE_AFTER, to about 8e-5 relative (the probabilities are rounded to bfloat16), with x
@@ -1100,7 +1108,7 @@ static inline __attribute__((always_inline)) int softmax_block(
     float sums[][16], float *rescale, uint16_t *p, int64_t p_stride)
 {
     int moved = 0;
-    for (int i = 0; i < AMX_ROWS; i++) {
+    for (int i = 0; i < ATTENTION_ROWS; i++) {
         __m512 s[ATTENTION_KEYS / 16];
         __mmask16 valid[ATTENTION_KEYS / 16];
         __m512 block_max = _mm512_set1_ps(-INFINITY);
@@ -1217,9 +1225,46 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
     }
 }
 
+#ifdef __AMX_BF16__
+static void configure_attention_tiles(void)
+{
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        config.rows[t] = ATTENTION_ROWS;
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
 /* sums: a tile number, 2 + s, spelled out: the tile instructions take it as a literal */
-#define SCORE_KEYS(s, sums) do { _tile_loadd(1, kp + (s) * key_tile_stride, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
+#define SCORE_KEYS(s, sums) \
+    do { _tile_loadd(1, kb + (s) * key_tile_stride + d * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 #define VALUE_COLUMNS(c, sums) do { _tile_loadd(1, vp + (c) * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
+
+/* scores = the block's query rows (qh, head_dim apart) · its ATTENTION_KEYS keys (kb, in pack_for_attention's
+ * layout), in tiles 2-5; tile 0 takes the queries and tile 1 the keys. */
+static inline __attribute__((always_inline)) void score_block(const uint16_t *qh, const uint16_t *kb, int64_t head_dim,
+                                                              float scores[][ATTENTION_KEYS])
+{
+    int64_t key_tile_stride = head_dim / 32 * 512;
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t d = 0; d < head_dim / 32; d++) {
+        _tile_loadd(0, qh + d * 32, head_dim * 2);
+        SCORE_KEYS(0, 2);
+        SCORE_KEYS(1, 3);
+        SCORE_KEYS(2, 4);
+        SCORE_KEYS(3, 5);
+    }
+    _tile_stored(2, &scores[0][0], ATTENTION_KEYS * 4);
+    _tile_stored(3, &scores[0][16], ATTENTION_KEYS * 4);
+    _tile_stored(4, &scores[0][32], ATTENTION_KEYS * 4);
+    _tile_stored(5, &scores[0][48], ATTENTION_KEYS * 4);
+}
 
 /* The output tiles 2-5 of `columns` (up to 4) column tiles, stored into o [16][ATTENTION_MAX_HEAD_DIM] and
  * loaded back from it. */
@@ -1245,6 +1290,145 @@ static inline __attribute__((always_inline)) void load_output_tiles(float o[][AT
         _tile_loadd(5, &o[0][48], ATTENTION_MAX_HEAD_DIM * 4);
 }
 
+/* out_rows[i] (NULL past the chunk's rows) = row i's probabilities over `blocks` key blocks (p, p_stride apart)
+ * · the values (vh, in pack_for_attention's layout), rescaled at each block that moved (rescale[block][i]) and
+ * divided by the row's sum (inverse[i] its inverse): 64 columns at a time in tiles 2-5, stored and rescaled only
+ * at a block where a row's maximum moved; tile 0 takes the probabilities and tile 1 the values. */
+static void attend_values(const uint16_t *p, int64_t p_stride, const uint16_t *vh, int64_t head_dim, int64_t blocks,
+                          const int32_t *moved, const float (*rescale)[ATTENTION_ROWS], const float *inverse,
+                          uint16_t *const *out_rows)
+{
+    __attribute__((aligned(64))) float o[ATTENTION_ROWS][ATTENTION_MAX_HEAD_DIM];
+    for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
+        int columns = head_dim / 16 - c0 < 4 ? (int)(head_dim / 16 - c0) : 4;
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        for (int64_t block = 0; block < blocks; block++) {
+            if (moved[block]) {
+                store_output_tiles(o, columns);
+                for (int i = 0; i < ATTENTION_ROWS; i++) {
+                    __m512 factor = _mm512_set1_ps(rescale[block][i]);
+                    for (int c = 0; c < columns; c++)
+                        _mm512_store_ps(o[i] + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor));
+                }
+                load_output_tiles(o, columns);
+            }
+            for (int half = 0; half < ATTENTION_KEYS / 32; half++) {
+                int64_t pair_block = block * (ATTENTION_KEYS / 32) + half;
+                const uint16_t *vp = vh + (pair_block * (head_dim / 16) + c0) * 512;
+                _tile_loadd(0, p + pair_block * 32, p_stride * 2);
+                VALUE_COLUMNS(0, 2);
+                if (columns > 1)
+                    VALUE_COLUMNS(1, 3);
+                if (columns > 2)
+                    VALUE_COLUMNS(2, 4);
+                if (columns > 3)
+                    VALUE_COLUMNS(3, 5);
+            }
+        }
+        store_output_tiles(o, columns);
+        for (int i = 0; i < ATTENTION_ROWS && out_rows[i]; i++) {
+            __m512 factor = _mm512_set1_ps(inverse[i]);
+            for (int c = 0; c < columns; c++)
+                _mm256_storeu_si256((__m256i *)(out_rows[i] + (c0 + c) * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor)));
+        }
+    }
+}
+#undef SCORE_KEYS
+#undef VALUE_COLUMNS
+#else
+#define SCORE_ROWS 8   /* query rows and 16-key panels whose sums a pass of score_block keeps: 16 of the 32 */
+#define SCORE_PANELS 2 /* vector registers */
+#define VALUE_ROWS 4   /* rows whose sums of 64 columns a pass of attend_values keeps: 16 vector registers */
+
+/* The bfloat16 pair at p in every lane. */
+static inline __m512bh broadcast_pair(const uint16_t *p)
+{
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+/* scores = the block's query rows (qh, head_dim apart) · its ATTENTION_KEYS keys (kb, in pack_for_attention's
+ * layout: each panel of 16 keys [head_dim / 2 column pairs][16 keys][2]). */
+static inline __attribute__((always_inline)) void score_block(const uint16_t *qh, const uint16_t *kb, int64_t head_dim,
+                                                              float scores[][ATTENTION_KEYS])
+{
+    int64_t panel_stride = head_dim / 32 * 512;
+    for (int r0 = 0; r0 < ATTENTION_ROWS; r0 += SCORE_ROWS)
+        for (int s0 = 0; s0 < ATTENTION_KEYS / 16; s0 += SCORE_PANELS) {
+            __m512 sums[SCORE_ROWS][SCORE_PANELS];
+            for (int r = 0; r < SCORE_ROWS; r++)
+                for (int s = 0; s < SCORE_PANELS; s++)
+                    sums[r][s] = _mm512_setzero_ps();
+            for (int64_t pair = 0; pair < head_dim / 2; pair++) {
+                __m512bh keys[SCORE_PANELS];
+                for (int s = 0; s < SCORE_PANELS; s++)
+                    keys[s] = (__m512bh)_mm512_loadu_si512(kb + (s0 + s) * panel_stride + pair * 32);
+                for (int r = 0; r < SCORE_ROWS; r++) {
+                    __m512bh q = broadcast_pair(qh + (r0 + r) * head_dim + 2 * pair);
+                    for (int s = 0; s < SCORE_PANELS; s++)
+                        sums[r][s] = _mm512_dpbf16_ps(sums[r][s], q, keys[s]);
+                }
+            }
+            for (int r = 0; r < SCORE_ROWS; r++)
+                for (int s = 0; s < SCORE_PANELS; s++)
+                    _mm512_store_ps(scores[r0 + r] + (s0 + s) * 16, sums[r][s]);
+        }
+}
+
+/* attend_values for rows [r0, r0 + VALUE_ROWS) and `columns` (2 or 4) vectors of 16 output columns from c0. */
+static inline __attribute__((always_inline)) void attend_value_columns(
+    const uint16_t *p, int64_t p_stride, const uint16_t *vh, int64_t head_dim, int64_t blocks, const int32_t *moved,
+    const float (*rescale)[ATTENTION_ROWS], const float *inverse, uint16_t *const *out_rows, int r0, int64_t c0,
+    int columns)
+{
+    __m512 sums[VALUE_ROWS][4];
+    for (int i = 0; i < VALUE_ROWS; i++)
+        for (int c = 0; c < columns; c++)
+            sums[i][c] = _mm512_setzero_ps();
+    for (int64_t block = 0; block < blocks; block++) {
+        if (moved[block])
+            for (int i = 0; i < VALUE_ROWS; i++)
+                for (int c = 0; c < columns; c++)
+                    sums[i][c] = _mm512_mul_ps(sums[i][c], _mm512_set1_ps(rescale[block][r0 + i]));
+        for (int64_t pair = block * ATTENTION_KEYS / 2; pair < (block + 1) * ATTENTION_KEYS / 2; pair++) {
+            const uint16_t *vp = vh + (pair / 16 * (head_dim / 16) + c0) * 512 + pair % 16 * 32;
+            __m512bh values[4];
+            for (int c = 0; c < columns; c++)
+                values[c] = (__m512bh)_mm512_loadu_si512(vp + c * 512);
+            for (int i = 0; i < VALUE_ROWS; i++) {
+                __m512bh probability = broadcast_pair(p + (r0 + i) * p_stride + 2 * pair);
+                for (int c = 0; c < columns; c++)
+                    sums[i][c] = _mm512_dpbf16_ps(sums[i][c], probability, values[c]);
+            }
+        }
+    }
+    for (int i = 0; i < VALUE_ROWS && out_rows[r0 + i]; i++)
+        for (int c = 0; c < columns; c++)
+            _mm256_storeu_si256((__m256i *)(out_rows[r0 + i] + (c0 + c) * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[i][c], _mm512_set1_ps(inverse[r0 + i]))));
+}
+
+/* out_rows[i] (NULL past the chunk's rows) = row i's probabilities over `blocks` key blocks (p, p_stride apart)
+ * · the values (vh, in pack_for_attention's layout: [key pairs / 16][head_dim / 16][16 key pairs][16 columns][2]),
+ * rescaled at each block that moved (rescale[block][i]) and divided by the row's sum (inverse[i] its inverse). */
+static void attend_values(const uint16_t *p, int64_t p_stride, const uint16_t *vh, int64_t head_dim, int64_t blocks,
+                          const int32_t *moved, const float (*rescale)[ATTENTION_ROWS], const float *inverse,
+                          uint16_t *const *out_rows)
+{
+    for (int r0 = 0; r0 < ATTENTION_ROWS && out_rows[r0]; r0 += VALUE_ROWS)
+        for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4)
+            if (head_dim / 16 - c0 >= 4)
+                attend_value_columns(p, p_stride, vh, head_dim, blocks, moved, rescale, inverse, out_rows, r0, c0, 4);
+            else
+                attend_value_columns(p, p_stride, vh, head_dim, blocks, moved, rescale, inverse, out_rows, r0, c0, 2);
+}
+#endif
+
 /* Attention of a prefill chunk of `tokens` queries (rows of float32 q_rows, q_stride apart, each its heads'
  * head_dim columns in turn) over `context` positions (slots[c] of one layer's float32 caches [slots, kv_heads,
  * head_dim]), of which the chunk's own are the last: query row i attends positions up to context - tokens + i.
@@ -1258,16 +1442,17 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
     if (head_dim % 32 || head_dim > ATTENTION_MAX_HEAD_DIM || num_heads % num_kv_heads || context < tokens)
         return -1;
     int64_t group = num_heads / num_kv_heads, q_rows_per_kv = tokens * group;
-    int64_t q_blocks = (q_rows_per_kv + AMX_ROWS - 1) / AMX_ROWS, padded_rows = q_blocks * AMX_ROWS;
+    int64_t q_blocks = (q_rows_per_kv + ATTENTION_ROWS - 1) / ATTENTION_ROWS, padded_rows = q_blocks * ATTENTION_ROWS;
     int64_t padded_context = (context + ATTENTION_KEYS - 1) / ATTENTION_KEYS * ATTENTION_KEYS;
-    int64_t key_blocks = padded_context / ATTENTION_KEYS, key_tile_stride = head_dim / 32 * 512;
+    int64_t key_blocks = padded_context / ATTENTION_KEYS, key_panel_stride = head_dim / 32 * 512;
     int64_t offset = context - tokens;
     float log2_scale = scale * 1.44269504f;
     /* shared: the packed queries, keys and values; each thread's: its probabilities [16][padded context],
      * and each key block's rescale factors [16] and whether any moved */
     size_t q_count = (size_t)(num_kv_heads * padded_rows * head_dim);
     size_t kv_count = (size_t)(num_kv_heads * padded_context * head_dim);
-    size_t p_count = (size_t)(AMX_ROWS * padded_context), thread_bytes = p_count * 2 + (size_t)key_blocks * (AMX_ROWS * 4 + 4);
+    size_t p_count = (size_t)(ATTENTION_ROWS * padded_context);
+    size_t thread_bytes = p_count * 2 + (size_t)key_blocks * (ATTENTION_ROWS * 4 + 4);
     thread_bytes = (thread_bytes + 63) / 64 * 64;
     uint16_t *q = scratch((q_count + 2 * kv_count) * 2 + thread_bytes * threads);
     if (!q)
@@ -1278,49 +1463,36 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                        padded_rows, context, padded_context, q, k, v, threads);
 #pragma omp parallel num_threads(threads)
     {
-        __attribute__((aligned(64))) float scores[AMX_ROWS][ATTENTION_KEYS];
-        __attribute__((aligned(64))) float o[AMX_ROWS][ATTENTION_MAX_HEAD_DIM];
-        __attribute__((aligned(64))) float sums[AMX_ROWS][16];
-        float maximum[AMX_ROWS], inverse[AMX_ROWS];
-        int64_t limits[AMX_ROWS];
+        __attribute__((aligned(64))) float scores[ATTENTION_ROWS][ATTENTION_KEYS];
+        __attribute__((aligned(64))) float sums[ATTENTION_ROWS][16];
+        float maximum[ATTENTION_ROWS], inverse[ATTENTION_ROWS];
+        int64_t limits[ATTENTION_ROWS];
+        uint16_t *out_rows[ATTENTION_ROWS];
         char *mine = thread_memory + thread_bytes * omp_get_thread_num();
         uint16_t *p = (uint16_t *)mine;
-        float (*rescale)[AMX_ROWS] = (float (*)[AMX_ROWS])(mine + p_count * 2);
-        int32_t *moved = (int32_t *)(mine + p_count * 2 + (size_t)key_blocks * AMX_ROWS * 4);
+        float (*rescale)[ATTENTION_ROWS] = (float (*)[ATTENTION_ROWS])(mine + p_count * 2);
+        int32_t *moved = (int32_t *)(mine + p_count * 2 + (size_t)key_blocks * ATTENTION_ROWS * 4);
+#ifdef __AMX_BF16__
         configure_attention_tiles();
+#endif
         /* key-value head by key-value head, so that the threads read one head's keys and values at a time; in
          * each, the last blocks, which attend the most keys, first */
 #pragma omp for schedule(dynamic) collapse(2)
         for (int64_t kv = 0; kv < num_kv_heads; kv++)
             for (int64_t b = q_blocks - 1; b >= 0; b--) {
-                int64_t row0 = b * AMX_ROWS, last_rows_token = (row0 + AMX_ROWS - 1) / group;
+                int64_t row0 = b * ATTENTION_ROWS, last_rows_token = (row0 + ATTENTION_ROWS - 1) / group;
                 int64_t keys = offset + (last_rows_token < tokens ? last_rows_token : tokens - 1) + 1;
                 int64_t blocks = (keys + ATTENTION_KEYS - 1) / ATTENTION_KEYS;
                 const uint16_t *qh = q + (kv * padded_rows + row0) * head_dim;
                 const uint16_t *kh = k + kv * padded_context * head_dim, *vh = v + kv * padded_context * head_dim;
-                for (int i = 0; i < AMX_ROWS; i++) {
+                for (int i = 0; i < ATTENTION_ROWS; i++) {
                     maximum[i] = -INFINITY;
                     _mm512_store_ps(sums[i], _mm512_setzero_ps());
                 }
                 for (int64_t block = 0; block < blocks; block++) {
                     int64_t first = block * ATTENTION_KEYS;
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    _tile_zero(4);
-                    _tile_zero(5);
-                    for (int64_t d = 0; d < head_dim / 32; d++) {
-                        const uint16_t *kp = kh + first / 16 * key_tile_stride + d * 512;
-                        _tile_loadd(0, qh + d * 32, head_dim * 2);
-                        SCORE_KEYS(0, 2);
-                        SCORE_KEYS(1, 3);
-                        SCORE_KEYS(2, 4);
-                        SCORE_KEYS(3, 5);
-                    }
-                    _tile_stored(2, &scores[0][0], ATTENTION_KEYS * 4);
-                    _tile_stored(3, &scores[0][16], ATTENTION_KEYS * 4);
-                    _tile_stored(4, &scores[0][32], ATTENTION_KEYS * 4);
-                    _tile_stored(5, &scores[0][48], ATTENTION_KEYS * 4);
-                    for (int i = 0; i < AMX_ROWS; i++) {
+                    score_block(qh, kh + first / 16 * key_panel_stride, head_dim, scores);
+                    for (int i = 0; i < ATTENTION_ROWS; i++) {
                         int64_t token = (row0 + i) / group;
                         limits[i] = offset + (token < tokens ? token : tokens - 1) + 1 - first;
                     }
@@ -1328,60 +1500,18 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                     moved[block] = softmax_block(scores, limits, limits[0] >= ATTENTION_KEYS, log2_scale, maximum,
                                                  sums, rescale[block], p + first, padded_context) && block > 0;
                 }
-                for (int i = 0; i < AMX_ROWS; i++)
+                for (int i = 0; i < ATTENTION_ROWS; i++) {
+                    int64_t row = row0 + i, token = row / group, head = kv * group + row % group;
                     inverse[i] = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(sums[i]));
-                for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
-                    int columns = head_dim / 16 - c0 < 4 ? (int)(head_dim / 16 - c0) : 4;
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    _tile_zero(4);
-                    _tile_zero(5);
-                    for (int64_t block = 0; block < blocks; block++) {
-                        if (moved[block]) {
-                            store_output_tiles(o, columns);
-                            for (int i = 0; i < AMX_ROWS; i++) {
-                                __m512 factor = _mm512_set1_ps(rescale[block][i]);
-                                for (int c = 0; c < columns; c++)
-                                    _mm512_store_ps(o[i] + c * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor));
-                            }
-                            load_output_tiles(o, columns);
-                        }
-                        for (int half = 0; half < ATTENTION_KEYS / 32; half++) {
-                            int64_t pair_block = block * (ATTENTION_KEYS / 32) + half;
-                            const uint16_t *vp = vh + (pair_block * (head_dim / 16) + c0) * 512;
-                            _tile_loadd(0, p + pair_block * 32, padded_context * 2);
-                            VALUE_COLUMNS(0, 2);
-                            if (columns > 1)
-                                VALUE_COLUMNS(1, 3);
-                            if (columns > 2)
-                                VALUE_COLUMNS(2, 4);
-                            if (columns > 3)
-                                VALUE_COLUMNS(3, 5);
-                        }
-                    }
-                    store_output_tiles(o, columns);
-                    for (int i = 0; i < AMX_ROWS && row0 + i < q_rows_per_kv; i++) {
-                        __m512 factor = _mm512_set1_ps(inverse[i]);
-                        int64_t token = (row0 + i) / group, h = kv * group + (row0 + i) % group;
-                        uint16_t *row = out + (token * num_heads + h) * head_dim + c0 * 16;
-                        for (int c = 0; c < columns; c++)
-                            _mm256_storeu_si256((__m256i *)(row + c * 16),
-                                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor)));
-                    }
+                    out_rows[i] = row < q_rows_per_kv ? out + (token * num_heads + head) * head_dim : NULL;
                 }
+                attend_values(p, padded_context, vh, head_dim, blocks, moved, rescale, inverse, out_rows);
             }
     }
     return 0;
 }
-#undef SCORE_KEYS
-#undef VALUE_COLUMNS
 #else
-int tandem_linear_amx_block_rows(void)
-{
-    return 0;
-}
-
-int tandem_linear_amx_min_rows(void)
+int tandem_prefill_attention_in_bfloat16(void)
 {
     return 0;
 }
@@ -1390,7 +1520,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                              const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              int64_t tokens, int64_t context, float scale, uint16_t *out, int threads)
 {
-    return -1; /* the AMX build's alone */
+    return -1; /* the builds with AVX512-BF16's alone */
 }
 #endif
 
@@ -2192,7 +2322,7 @@ static int attend_chunk(const tandem_chunk *chunk, const float *qkv, int64_t qkv
  * hidden] comes in as zeros and leaves as the residual stream before it (the hidden state is their sum).
  * k_cache, v_cache: [num_layers, slots, kv_heads, head_dim], cache_layer_size floats per layer. The rows
  * before the first of `chunks` attend as decodes, through block_tables and context_lens (one each); the
- * chunks, one after another to the last row, as prefills (the AMX build). scratch holds rows · (hidden +
+ * chunks, one after another to the last row, as prefills (the builds with AVX512-BF16). scratch holds rows · (hidden +
  * qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per layer takes the dispatch
  * of each op out of the step. Returns the first status of a linear or the attention that is not 0. */
 int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const tandem_layer_shape *shape,

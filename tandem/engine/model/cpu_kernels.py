@@ -11,17 +11,19 @@
   AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
 - ``prefill_attention``: a prefill chunk's causal attention over its context, read from the paged cache by
-  slot, in float32 FMAs, or in the AMX build in bfloat16 tiles with float32 sums;
+  slot, in float32 FMAs, or where the CPU has AVX512-BF16 in bfloat16 products with float32 sums (in AMX tiles
+  in the AMX build);
 - ``rms_norm`` (with the residual add), ``rope_and_cache`` and ``silu_and_mul``: each one call where
   torch's ops take several, the dispatch of which dominates a decode step's non-matmul time;
 - ``decode_layers``: all the decoder layers of a small step in one call.
 
 The C source ships with the package. It is compiled with the system C compiler into
 ``$TANDEM_HOME/kernels`` once per source and instruction set (``ISAS``: AVX2, or AVX-512 with VNNI where the
-CPU has it, or AMX where it has AMX tiles; ``tandem provision`` builds every one this CPU runs ahead of time,
-so a machine without a compiler can run a library built there), then loaded with ctypes, which releases the
-GIL for the call. ``load()`` returns None, and says why in the log, where the kernels cannot run: not an
-x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a working C compiler.
+CPU has it, with AVX512-BF16 too where it has that, or AMX where it has AMX tiles; ``tandem provision`` builds
+every one this CPU runs ahead of time, so a machine without a compiler can run a library built there), then
+loaded with ctypes, which releases the GIL for the call. ``load()`` returns None, and says why in the log, where
+the kernels cannot run: not an x86-64 Linux CPU with AVX2, FMA and F16C, or neither a built library nor a
+working C compiler.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ UINT4_SAMPLE_GROUPS = 4096  # groups of a weight checked first, so that one off 
 # these flags beyond FLAGS.
 _AVX512 = (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"))
-ISAS = {"amx": (_AVX512[0] | {"avx512_bf16", "amx_tile", "amx_bf16"},
-                (*_AVX512[1], "-mavx512bf16", "-mamx-tile", "-mamx-bf16")),
+_AVX512_BF16 = (_AVX512[0] | {"avx512_bf16"}, (*_AVX512[1], "-mavx512bf16"))
+ISAS = {"amx": (_AVX512_BF16[0] | {"amx_tile", "amx_bf16"}, (*_AVX512_BF16[1], "-mamx-tile", "-mamx-bf16")),
+        "avx512bf16": _AVX512_BF16,
         "avx512": _AVX512,
         "avx2": (frozenset(), ())}
 
@@ -83,6 +86,7 @@ class CpuKernels:
         # rows stay float32)
         self.amx_block_rows = c.tandem_linear_amx_block_rows()
         self.amx_min_rows = c.tandem_linear_amx_min_rows()
+        self.prefill_attention_in_bfloat16 = bool(c.tandem_prefill_attention_in_bfloat16())
         self._linear_bf16 = None
         if self.amx_block_rows:
             if c.tandem_amx_init() != 0:
@@ -114,7 +118,7 @@ class CpuKernels:
         self._decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr,
                                         i64, ptr, i64, ptr, ctypes.c_int]
         self._decode_layers.restype = ctypes.c_int
-        # by the dtype of their output: bfloat16 from the AMX build's tiles, float32 from FMAs in every build
+        # by the dtype of their output: bfloat16 in the builds with AVX512-BF16, float32 in every build
         self._prefill_attention = {torch.bfloat16: c.tandem_prefill_attention,
                                    torch.float32: c.tandem_prefill_attention_float32}
         for function in self._prefill_attention.values():
@@ -387,11 +391,11 @@ class CpuKernels:
 
     def attends_prefills(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         """Whether ``prefill_attention`` runs here for this head layout in ``dtype``: float32 in every build,
-        bfloat16 in the AMX build."""
+        bfloat16 in the builds with AVX512-BF16."""
         if num_heads % num_kv_heads or head_dim > 256:
             return False
         if dtype == torch.bfloat16:
-            return bool(self.amx_block_rows) and head_dim % 32 == 0
+            return self.prefill_attention_in_bfloat16 and head_dim % 32 == 0
         return dtype == torch.float32 and head_dim % 16 == 0
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -399,7 +403,7 @@ class CpuKernels:
         """Causal attention of a prefill chunk's queries ``q`` [tokens, heads, head_dim] (float32, each token's
         heads contiguous) over the positions in ``slots`` [context] of one layer's caches [slots, kv_heads,
         head_dim] (float32), the chunk's own last, into ``out`` [tokens, heads, head_dim]: float32 in float32
-        FMAs, or bfloat16 in the AMX build's bfloat16 tiles (float32 sums)."""
+        FMAs, or bfloat16 in bfloat16 products with float32 sums."""
         tokens, heads, head_dim = q.shape
         if q.dtype != torch.float32 or q.stride()[1:] != (head_dim, 1) or out.dtype not in self._prefill_attention \
                 or not out.is_contiguous() or out.shape != q.shape or slots.dtype != torch.int64 \

@@ -260,7 +260,7 @@ class CausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.decode_layers is not None and len(input_ids) <= self._decode_rows \
                 and (meta.decode_block_tables is not None or not meta.num_decodes) \
-                and (not meta.prefills or self.attends_prefills_in_tiles):
+                and (not meta.prefills or self.attends_prefills_in_bfloat16):
             chunks = [(chunk.token_start, chunk.num_tokens, chunk.slots(meta.slot_mapping)) for chunk in meta.prefills]
             x, residual = self.cpu_kernels.decode_layers(self.decode_layers, x, positions, cos_table, sin_table,
                                                          meta.slot_mapping, k_cache, v_cache, meta.decode_block_tables,
@@ -401,9 +401,9 @@ class CausalLM(nn.Module):
         return self.layers[0].self_attn.prefill_kernel
 
     @property
-    def attends_prefills_in_tiles(self) -> bool:
-        """Whether prefill chunks attend in the AMX build's bfloat16 tiles, which ``decode_layers`` calls for a
-        small step's prompt chunks too."""
+    def attends_prefills_in_bfloat16(self) -> bool:
+        """Whether prefill chunks attend in the kernels' bfloat16 ``prefill_attention`` (the builds with
+        AVX512-BF16), which ``decode_layers`` calls for a small step's prompt chunks too."""
         return self.attends_prefills_in_kernels and self.layers[0].self_attn.prefill_dtype == torch.bfloat16
 
 

@@ -44,11 +44,6 @@ def native_bfloat16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def amx_tiles() -> bool:
-    """Whether this CPU multiplies bfloat16 in AMX tiles, which torch's attention uses for bfloat16 inputs."""
-    return torch.cpu._is_amx_tile_supported()
-
-
 def resolved_batched_weights(batched_weights: str, decode_weights: str) -> str:
     """What ``batched_weights`` means on this CPU: "auto" is bfloat16 where it is native, unless the decode
     weights are float32. bfloat16 is refused where it is not: oneDNN would not multiply it there."""
@@ -116,8 +111,8 @@ class ModelRunner:
         if self.torch_device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             kernels = cpu_kernels.load()
             self.batched_dtype = getattr(torch, resolved_batched_weights(batched_weights, decode_weights))
-            # bfloat16 prefill attention is 2-2.5x faster than float32 on AMX tiles, and no faster without
-            if self.batched_dtype == torch.bfloat16 and amx_tiles():
+            # bfloat16 prefill attention, where the kernels have it, is 2-2.5x faster than float32
+            if self.batched_dtype == torch.bfloat16 and kernels is not None and kernels.prefill_attention_in_bfloat16:
                 self.prefill_attention_dtype = torch.bfloat16
             self.model.use_cpu_kernels(kernels, None if decode_weights == "float32" else decode_weights,
                                        self.batched_dtype, self.prefill_attention_dtype)
@@ -324,10 +319,10 @@ class ModelRunner:
         """Whether a step of ``rows`` rows attends each of its tokens as a decode, prompt tokens too: with the
         CPU kernels, a step small enough to read the decode copy of the weights, so that every token attends
         its context in place through the block table, a shared prefix read once, and the decoder layers run in
-        one call. Not where the CPU kernels attend prefill chunks in bfloat16 tiles (AMX): the same step runs in one
-        call with each prompt chunk attended in tiles, 2.5x faster than row by row."""
+        one call. Not where the CPU kernels attend prefill chunks in bfloat16: the same step runs in one call with
+        each prompt chunk attended as a chunk, 2.5x faster than row by row in AMX tiles."""
         return self.model.uses_cpu_kernels and rows <= self.model.decode_rows \
-            and not self.model.attends_prefills_in_tiles
+            and not self.model.attends_prefills_in_bfloat16
 
     def _decode_block_tables(self, decodes: list[ScheduledRequest]) -> BlockTables:
         """A row per token of ``decodes`` (each attending its request's positions up to its own): each
