@@ -1,5 +1,6 @@
-/* The AVX-512 build of the CPU kernels, for their tests on a CPU without AVX-512: SIMDe (simde-py's headers)
- * carries out each AVX-512 intrinsic in AVX2 ones, and the few it lacks are written out below, lane by lane.
+/* The AVX512-BF16 build of the CPU kernels (the AVX-512 build and its bfloat16 prefill attention), for their tests
+ * on a CPU without AVX-512: SIMDe (simde-py's headers) carries out each AVX-512 intrinsic in AVX2 ones, and the
+ * few it lacks are written out below, lane by lane.
  * Compiled with the kernels' FLAGS, -I<simde_py.get_include()> and -DKERNELS_SOURCE="<cpu_kernels.c>". */
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
@@ -38,9 +39,36 @@ static inline float sum_of_sixteen(simde__m512 a)
 #undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps sum_of_sixteen
 
-/* what the AVX-512 build's flags define */
+/* float32 lanes rounded to bfloat16 (to nearest, ties to even), as vcvtneps2bf16 rounds them */
+static inline __m256bh round_to_bfloat16(simde__m512 a)
+{
+    simde__m512_private from = simde__m512_to_private(a);
+    uint16_t to[16];
+    for (int i = 0; i < 16; i++) {
+        uint32_t bits;
+        memcpy(&bits, &from.f32[i], sizeof bits);
+        to[i] = (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
+    __m256bh rounded;
+    memcpy(&rounded, to, sizeof rounded);
+    return rounded;
+}
+
+static inline __m512bh round_pair_to_bfloat16(simde__m512 high, simde__m512 low)
+{
+    __m256bh halves[2] = {round_to_bfloat16(low), round_to_bfloat16(high)};
+    __m512bh rounded;
+    memcpy(&rounded, halves, sizeof rounded);
+    return rounded;
+}
+
+#define _mm512_cvtneps_pbh round_to_bfloat16
+#define _mm512_cvtne2ps_pbh round_pair_to_bfloat16
+
+/* what the AVX512-BF16 build's flags define */
 #define __AVX512F__ 1
 #define __AVX512BW__ 1
 #define __AVX512VL__ 1
 #define __AVX512VNNI__ 1
+#define __AVX512BF16__ 1
 #include KERNELS_SOURCE

@@ -48,7 +48,7 @@ def loaded(isa: str) -> cpu_kernels.CpuKernels:
 @pytest.fixture(scope="module", params=BUILDS + [EMULATED_AVX512] if "avx2" in BUILDS and "avx512" not in BUILDS
                 else BUILDS or ["none"])
 def kernels(request):
-    """Each build this CPU runs; where it has AVX2 but no AVX-512, the AVX-512 build too, emulated."""
+    """Each build this CPU runs; where it has AVX2 but no AVX-512, the AVX512-BF16 build too, emulated."""
     if request.param == EMULATED_AVX512:
         return request.getfixturevalue("avx512_on_avx2")
     return loaded(request.param)
@@ -56,9 +56,9 @@ def kernels(request):
 
 @pytest.fixture(scope="session")
 def avx512_on_avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
-    """The AVX-512 build, its AVX-512 intrinsics carried out in AVX2 ones (avx512_on_avx2.c): its arithmetic,
-    not its speed, on a CPU that cannot run it. Compiled at -O1: SIMDe's operations, inlined and unrolled at
-    -O3, take over a minute to compile."""
+    """The AVX512-BF16 build (the AVX-512 build and its bfloat16 prefill attention), its AVX-512 intrinsics
+    carried out in AVX2 ones (avx512_on_avx2.c): its arithmetic, not its speed, on a CPU that cannot run it.
+    Compiled at -O1: SIMDe's operations, inlined and unrolled at -O3, take over a minute to compile."""
     compiler = cpu_kernels.c_compiler()
     if compiler is None:
         pytest.skip("no C compiler here")
@@ -66,7 +66,7 @@ def avx512_on_avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
     subprocess.run([compiler, *cpu_kernels.FLAGS, "-O1", "-Wno-psabi", f"-I{simde_py.get_include()}",
                     f'-DKERNELS_SOURCE="{cpu_kernels.SOURCE}"', str(Path(__file__).with_name("avx512_on_avx2.c")),
                     "-o", str(library)], check=True, capture_output=True, text=True)
-    return cpu_kernels.CpuKernels(library, "avx512")
+    return cpu_kernels.CpuKernels(library, "avx512bf16")
 
 
 @torch.inference_mode()
