@@ -767,14 +767,14 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tiles 0, 1 and 5, 6: sums of two blocks of rows; 2 and 7: those rows of x; 3, 4: widened weights; all
- * 16 rows of 64 bytes */
-static void configure_tiles(void)
+/* Tiles 0 to count - 1, each 16 rows of 64 bytes. The linears take 8: tiles 0, 1 and 5, 6 the sums of two blocks
+ * of rows; 2 and 7 those rows of x; 3, 4 widened weights. */
+static void configure_tiles(int count)
 {
     tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    for (int t = 0; t < 8; t++) {
+    for (int t = 0; t < count; t++) {
         config.rows[t] = AMX_ROWS;
         config.bytes_per_row[t] = 64;
     }
@@ -936,7 +936,7 @@ static void amx_linear(const float *x, int64_t rows, int64_t k_size, const int8_
     {
         __attribute__((aligned(64))) uint16_t widened[AMX_BLOCKS][16 * 32];
         __attribute__((aligned(64))) float sums[AMX_ROWS][AMX_ROWS * AMX_BLOCKS];
-        configure_tiles();
+        configure_tiles(8);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < passes; p++) {
             int64_t n = p * AMX_ROWS * AMX_BLOCKS;
@@ -1005,7 +1005,7 @@ int tandem_linear_bf16(const uint16_t *x, int64_t rows, int64_t k_size, const ui
 #pragma omp parallel num_threads(threads)
     {
         __attribute__((aligned(64))) float sums[AMX_ROWS][AMX_ROWS * AMX_BLOCKS];
-        configure_tiles();
+        configure_tiles(8);
         for (int64_t chunk = 0; chunk < rows; chunk += BF16_ROW_CHUNK) {
             int64_t chunk_end = rows - chunk < BF16_ROW_CHUNK ? rows : chunk + BF16_ROW_CHUNK;
 #pragma omp for schedule(static) nowait
@@ -1226,18 +1226,6 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
 }
 
 #ifdef __AMX_BF16__
-static void configure_attention_tiles(void)
-{
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        config.rows[t] = ATTENTION_ROWS;
-        config.bytes_per_row[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
-
 /* sums: a tile number, 2 + s, spelled out: the tile instructions take it as a literal */
 #define SCORE_KEYS(s, sums) \
     do { _tile_loadd(1, kb + (s) * key_tile_stride + d * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
@@ -1473,7 +1461,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
         float (*rescale)[ATTENTION_ROWS] = (float (*)[ATTENTION_ROWS])(mine + p_count * 2);
         int32_t *moved = (int32_t *)(mine + p_count * 2 + (size_t)key_blocks * ATTENTION_ROWS * 4);
 #ifdef __AMX_BF16__
-        configure_attention_tiles();
+        configure_tiles(6); /* 0: queries or probabilities; 1: keys or values; 2-5: sums */
 #endif
         /* key-value head by key-value head, so that the threads read one head's keys and values at a time; in
          * each, the last blocks, which attend the most keys, first */
