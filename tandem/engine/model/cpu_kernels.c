@@ -1078,6 +1078,12 @@ int tandem_prefill_attention_in_bfloat16(void)
     return 1;
 }
 
+/* v's 16 lanes rounded to bfloat16 into p[0, 16) */
+static inline void store_bfloat16x16(uint16_t *p, __m512 v)
+{
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /* 2^x for x up to RESCALE_AFTER, to about 8e-5 relative (the probabilities are rounded to bfloat16), with x
  * below -126 taken as -126: 2^n · p(f), f = x - n in [-0.5, 0.5], p of degree 3 fitted to 2^f's relative
  * error. */
@@ -1129,7 +1135,7 @@ static inline __attribute__((always_inline)) int softmax_block(
         for (int v = 0; v < ATTENTION_KEYS / 16; v++) {
             __m512 e = _mm512_maskz_mov_ps(valid[v], exp2_bounded(_mm512_fmsub_ps(s[v], factor, shift)));
             total = _mm512_add_ps(total, e);
-            _mm256_storeu_si256((__m256i *)(p + i * p_stride + v * 16), (__m256i)_mm512_cvtneps_pbh(e));
+            store_bfloat16x16(p + i * p_stride + v * 16, e);
         }
         _mm512_store_ps(sums[i], _mm512_fmadd_ps(_mm512_load_ps(sums[i]), _mm512_set1_ps(rescale[i]), total));
     }
@@ -1168,7 +1174,8 @@ static inline void transpose_lanes(__m512i rows[16])
  * q [kv_heads][padded rows][head_dim], row t · group + j the query of token t and head kv_head · group + j (the
  * query heads that share a key-value head stacked, so that a chunk of few tokens fills its tiles); k [kv_heads]
  * [padded context / 16][head_dim / 32][16 column pairs][16 keys][2]; v [kv_heads][padded context / 32]
- * [head_dim / 16][16 key pairs][16 columns][2]. Padding is zero. Query row t is q_rows + t · q_stride; context position c is slot slots[c] of the caches. */
+ * [head_dim / 16][16 key pairs][16 columns][2]. Padding is zero. Query row t is q_rows + t · q_stride; context
+ * position c is slot slots[c] of the caches. */
 static void pack_for_attention(const float *q_rows, int64_t q_stride, const float *k_cache, const float *v_cache,
                                const int64_t *slots, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                int64_t tokens, int64_t padded_rows, int64_t context, int64_t padded_context,
@@ -1187,7 +1194,7 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
                 for (int64_t d = 0; d < head_dim; d += 16) {
                     __m512 values = t < tokens ? _mm512_loadu_ps(q_rows + t * q_stride + h * head_dim + d)
                                                : _mm512_setzero_ps();
-                    _mm256_storeu_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(values));
+                    store_bfloat16x16(row + d, values);
                 }
             }
         /* keys: per 16 keys and 32 columns, each key's 16 column pairs of 4 bytes, transposed */
@@ -1228,7 +1235,7 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
 #ifdef __AMX_BF16__
 /* sums: a tile number, 2 + s, spelled out: the tile instructions take it as a literal */
 #define SCORE_KEYS(s, sums) \
-    do { _tile_loadd(1, kb + (s) * key_tile_stride + d * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
+    do { _tile_loadd(1, kb + (s) * 16 * head_dim + d * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 #define VALUE_COLUMNS(c, sums) do { _tile_loadd(1, vp + (c) * 512, 64); _tile_dpbf16ps(sums, 0, 1); } while (0)
 
 /* scores = the block's query rows (qh, head_dim apart) · its ATTENTION_KEYS keys (kb, in pack_for_attention's
@@ -1236,7 +1243,6 @@ static void pack_for_attention(const float *q_rows, int64_t q_stride, const floa
 static inline __attribute__((always_inline)) void score_block(const uint16_t *qh, const uint16_t *kb, int64_t head_dim,
                                                               float scores[][ATTENTION_KEYS])
 {
-    int64_t key_tile_stride = head_dim / 32 * 512;
     _tile_zero(2);
     _tile_zero(3);
     _tile_zero(4);
@@ -1320,8 +1326,7 @@ static void attend_values(const uint16_t *p, int64_t p_stride, const uint16_t *v
         for (int i = 0; i < ATTENTION_ROWS && out_rows[i]; i++) {
             __m512 factor = _mm512_set1_ps(inverse[i]);
             for (int c = 0; c < columns; c++)
-                _mm256_storeu_si256((__m256i *)(out_rows[i] + (c0 + c) * 16),
-                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor)));
+                store_bfloat16x16(out_rows[i] + (c0 + c) * 16, _mm512_mul_ps(_mm512_load_ps(o[i] + c * 16), factor));
         }
     }
 }
@@ -1341,11 +1346,10 @@ static inline __m512bh broadcast_pair(const uint16_t *p)
 }
 
 /* scores = the block's query rows (qh, head_dim apart) · its ATTENTION_KEYS keys (kb, in pack_for_attention's
- * layout: each panel of 16 keys [head_dim / 2 column pairs][16 keys][2]). */
+ * layout: panels of 16 keys, each [head_dim / 2 column pairs][16 keys][2]). */
 static inline __attribute__((always_inline)) void score_block(const uint16_t *qh, const uint16_t *kb, int64_t head_dim,
                                                               float scores[][ATTENTION_KEYS])
 {
-    int64_t panel_stride = head_dim / 32 * 512;
     for (int r0 = 0; r0 < ATTENTION_ROWS; r0 += SCORE_ROWS)
         for (int s0 = 0; s0 < ATTENTION_KEYS / 16; s0 += SCORE_PANELS) {
             __m512 sums[SCORE_ROWS][SCORE_PANELS];
@@ -1355,7 +1359,7 @@ static inline __attribute__((always_inline)) void score_block(const uint16_t *qh
             for (int64_t pair = 0; pair < head_dim / 2; pair++) {
                 __m512bh keys[SCORE_PANELS];
                 for (int s = 0; s < SCORE_PANELS; s++)
-                    keys[s] = (__m512bh)_mm512_loadu_si512(kb + (s0 + s) * panel_stride + pair * 32);
+                    keys[s] = (__m512bh)_mm512_loadu_si512(kb + (s0 + s) * 16 * head_dim + pair * 32);
                 for (int r = 0; r < SCORE_ROWS; r++) {
                     __m512bh q = broadcast_pair(qh + (r0 + r) * head_dim + 2 * pair);
                     for (int s = 0; s < SCORE_PANELS; s++)
@@ -1397,8 +1401,8 @@ static inline __attribute__((always_inline)) void attend_value_columns(
     }
     for (int i = 0; i < VALUE_ROWS && out_rows[r0 + i]; i++)
         for (int c = 0; c < columns; c++)
-            _mm256_storeu_si256((__m256i *)(out_rows[r0 + i] + (c0 + c) * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sums[i][c], _mm512_set1_ps(inverse[r0 + i]))));
+            store_bfloat16x16(out_rows[r0 + i] + (c0 + c) * 16,
+                              _mm512_mul_ps(sums[i][c], _mm512_set1_ps(inverse[r0 + i])));
 }
 
 /* out_rows[i] (NULL past the chunk's rows) = row i's probabilities over `blocks` key blocks (p, p_stride apart)
@@ -1432,7 +1436,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
     int64_t group = num_heads / num_kv_heads, q_rows_per_kv = tokens * group;
     int64_t q_blocks = (q_rows_per_kv + ATTENTION_ROWS - 1) / ATTENTION_ROWS, padded_rows = q_blocks * ATTENTION_ROWS;
     int64_t padded_context = (context + ATTENTION_KEYS - 1) / ATTENTION_KEYS * ATTENTION_KEYS;
-    int64_t key_blocks = padded_context / ATTENTION_KEYS, key_panel_stride = head_dim / 32 * 512;
+    int64_t key_blocks = padded_context / ATTENTION_KEYS;
     int64_t offset = context - tokens;
     float log2_scale = scale * 1.44269504f;
     /* shared: the packed queries, keys and values; each thread's: its probabilities [16][padded context],
@@ -1479,7 +1483,7 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
                 }
                 for (int64_t block = 0; block < blocks; block++) {
                     int64_t first = block * ATTENTION_KEYS;
-                    score_block(qh, kh + first / 16 * key_panel_stride, head_dim, scores);
+                    score_block(qh, kh + first * head_dim, head_dim, scores);
                     for (int i = 0; i < ATTENTION_ROWS; i++) {
                         int64_t token = (row0 + i) / group;
                         limits[i] = offset + (token < tokens ? token : tokens - 1) + 1 - first;
@@ -2310,8 +2314,8 @@ static int attend_chunk(const tandem_chunk *chunk, const float *qkv, int64_t qkv
  * hidden] comes in as zeros and leaves as the residual stream before it (the hidden state is their sum).
  * k_cache, v_cache: [num_layers, slots, kv_heads, head_dim], cache_layer_size floats per layer. The rows
  * before the first of `chunks` attend as decodes, through block_tables and context_lens (one each); the
- * chunks, one after another to the last row, as prefills (the builds with AVX512-BF16). scratch holds rows · (hidden +
- * qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per layer takes the dispatch
+ * chunks, one after another to the last row, as prefills (the builds with AVX512-BF16). scratch holds rows ·
+ * (hidden + qkv + heads · head_dim + 3 · intermediate) floats. One call instead of nine per layer takes the dispatch
  * of each op out of the step. Returns the first status of a linear or the attention that is not 0. */
 int tandem_decode_layers(const tandem_layer *layers, int64_t num_layers, const tandem_layer_shape *shape,
                          int64_t rows, float *x, float *residual, const int64_t *positions, const float *cos_table,
