@@ -1,6 +1,23 @@
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--emulated-amx", action="store_true",
+                     help="run every engine on the AMX build of the CPU kernels with its tiles emulated "
+                          "(tests/engine/emulated_kernels.py): the model tests through the AMX build's arithmetic on "
+                          "a CPU without AMX tiles, slowly")
+
+
+def pytest_configure(config):
+    if config.getoption("--emulated-amx"):
+        from tests.engine import emulated_kernels
+
+        emulated_kernels.serve_amx(Path(tempfile.mkdtemp(prefix="emulated-amx-")))
 
 
 def _tiny(tmp_path_factory, family: str, **shape):

@@ -6,11 +6,8 @@ a step of decodes run through all the layers in one call against the same step o
 from __future__ import annotations
 
 import platform
-import subprocess
-from pathlib import Path
 
 import pytest
-import simde_py
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +18,7 @@ from tandem.engine.model.cpu_kernels import INT8_GROUP
 from tandem.engine.model.factory import build_engine
 from tandem.engine.model.llama import PackedLinear
 from tandem.engine.model.runner import native_bfloat16
+from tests.engine import emulated_kernels
 from tests.engine.helpers import greedy_request, random_prompt, run_to_completion, skip_without_native_bfloat16
 from tests.models import on_q4_1_grid
 
@@ -28,7 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 BUILDS = cpu_kernels.usable_isas()
-EMULATED_AVX512 = "avx512-on-avx2"
+EMULATED = emulated_kernels.wanted(BUILDS)
 
 
 @pytest.fixture(scope="module", params=BUILDS or ["none"])
@@ -45,28 +43,26 @@ def loaded(isa: str) -> cpu_kernels.CpuKernels:
     return built
 
 
-@pytest.fixture(scope="module", params=BUILDS + [EMULATED_AVX512] if "avx2" in BUILDS and "avx512" not in BUILDS
-                else BUILDS or ["none"])
+@pytest.fixture(scope="module", params=BUILDS + EMULATED or ["none"])
 def kernels(request):
-    """Each build this CPU runs; where it has AVX2 but no AVX-512, the AVX512-BF16 build too, emulated."""
-    if request.param == EMULATED_AVX512:
-        return request.getfixturevalue("avx512_on_avx2")
+    """Each build this CPU runs, and each wider one emulated (emulated_kernels.py)."""
+    if request.param in EMULATED:
+        return request.getfixturevalue("emulated")(request.param)
     return loaded(request.param)
 
 
 @pytest.fixture(scope="session")
-def avx512_on_avx2(tmp_path_factory) -> cpu_kernels.CpuKernels:
-    """The AVX512-BF16 build (the AVX-512 build and its bfloat16 prefill attention), its AVX-512 intrinsics
-    carried out in AVX2 ones (avx512_on_avx2.c): its arithmetic, not its speed, on a CPU that cannot run it.
-    Compiled at -O1: SIMDe's operations, inlined and unrolled at -O3, take over a minute to compile."""
-    compiler = cpu_kernels.c_compiler()
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    library = tmp_path_factory.mktemp(EMULATED_AVX512) / f"{EMULATED_AVX512}.so"
-    subprocess.run([compiler, *cpu_kernels.FLAGS, "-O1", "-Wno-psabi", f"-I{simde_py.get_include()}",
-                    f'-DKERNELS_SOURCE="{cpu_kernels.SOURCE}"', str(Path(__file__).with_name("avx512_on_avx2.c")),
-                    "-o", str(library)], check=True, capture_output=True, text=True)
-    return cpu_kernels.CpuKernels(library, "avx512bf16")
+def emulated(tmp_path_factory):
+    """The emulated builds, each compiled once a session."""
+    built = {}
+
+    def build(name: str) -> cpu_kernels.CpuKernels:
+        if name not in built:
+            built[name] = emulated_kernels.build(name, BUILDS, tmp_path_factory.mktemp(name))
+        if built[name] is None:
+            pytest.skip("no C compiler here")
+        return built[name]
+    return build
 
 
 @torch.inference_mode()
@@ -185,14 +181,14 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in
 
 
 @torch.inference_mode()
-def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(request):
+def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(emulated):
     """Its vpdpwssd and vpdpbusd (rows rounded to int8, from ``uint4_int8_rows`` rows) sum the very int32 products
     that vpmaddwd and vpmaddubsw sum in the AVX2 build, and it scales them with the same float32 operations: what
     the quality gate measured on one build holds on the other."""
     if "avx2" not in BUILDS:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     avx2 = loaded("avx2")
-    avx512 = loaded("avx512") if "avx512" in BUILDS else request.getfixturevalue("avx512_on_avx2")
+    avx512 = loaded("avx512") if "avx512" in BUILDS else emulated(emulated_kernels.AVX512)
     torch.manual_seed(3)
     weight = on_q4_1_grid(torch.randn(45, 320))
     bias = torch.randn(45)
