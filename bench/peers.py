@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from placement import round_trip_ns
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
@@ -78,6 +80,8 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict],
         "burst_output_tok_s": expected_burst / burst,
         "burst_makespan_s": burst,
         "burst_runs_makespan_s": [r["makespan_s"] for r in burst_runs],
+        # where the host had put the two CPUs as each burst began (bench/placement.py)
+        "burst_runs_round_trip_ns": [r["round_trip_ns"] for r in burst_runs],
         "single_stream_tok_s": job["max_new_tokens"] / single,
         "single_stream_s": single,
         "single_stream_runs_s": [r["seconds"] for r in single_runs],
@@ -175,8 +179,11 @@ def run_tandem(job: dict, precision: str) -> dict:
 
     async def go() -> tuple[list[dict], list[dict]]:
         await bench_engine.first_token_latency(runner, job["warm_prompt"], "warm-prefix")
-        bursts = [await bench_engine.tandem_burst(runner, batch, job["max_new_tokens"], f"burst{r}")
-                  for r, batch in enumerate(job["bursts"])]
+        bursts = []
+        for r, batch in enumerate(job["bursts"]):
+            round_trip = round_trip_ns()
+            bursts.append({**await bench_engine.tandem_burst(runner, batch, job["max_new_tokens"], f"burst{r}"),
+                           "round_trip_ns": round_trip})
         singles = [await single(prompt, f"single{r}") for r, prompt in enumerate(job["singles"])]
         prefills = {length: [(await single(prompt, f"prefill{length}-{r}", 1))["ttft_s"]
                              for r, prompt in enumerate(prompts)]
@@ -229,8 +236,10 @@ def run_vllm(job: dict, precision: str) -> dict:
     generate([job["warm_prompt"]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     bursts = []
     for batch in job["bursts"]:
+        round_trip = round_trip_ns()
         seconds, outputs = generate(batch, params)
-        bursts.append({"makespan_s": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)})
+        bursts.append({"makespan_s": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+                       "round_trip_ns": round_trip})
     singles = []
     for prompt in job["singles"]:
         seconds, outputs = generate([prompt], params)
@@ -295,12 +304,13 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
     bursts = []
     reused = []
     for batch in job["bursts"]:
+        round_trip = round_trip_ns()
         start = time.perf_counter()
         count = 0
         for prompt in batch:
             reused.append(_common_prefix(llm._input_ids.tolist(), prompt))
             count += len(one(prompt, start)["tokens"])
-        bursts.append({"makespan_s": time.perf_counter() - start, "output_tokens": count})
+        bursts.append({"makespan_s": time.perf_counter() - start, "output_tokens": count, "round_trip_ns": round_trip})
     singles = []
     for prompt in job["singles"]:
         llm.reset()
@@ -663,7 +673,8 @@ def main() -> None:
             if "error" in result:
                 print(f"  failed: {result['error']}", flush=True)
             else:
-                print(f"  burst {result['burst_output_tok_s']:.1f} tok/s (makespan {result['burst_makespan_s']:.2f} s), "
+                print(f"  burst {result['burst_output_tok_s']:.1f} tok/s (makespan {result['burst_makespan_s']:.2f} s; "
+                      f"CPUs' round trip {result['burst_runs_round_trip_ns']} ns), "
                       f"single stream {result['single_stream_tok_s']:.1f} tok/s, prefill "
                       + ", ".join(f"{n}: {result[f'prefill_{n}_tok_s']:.0f} tok/s" for n in PREFILL_LENGTHS)
                       + f", {result['wall_s']:.0f} s in all", flush=True)
