@@ -63,7 +63,7 @@ def _median(values: list[float]) -> float:
 
 
 def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict],
-             prefill_runs: dict[str, list[float]]) -> dict:
+             prefill_runs: dict[str, list[float]], round_trips: dict[str, float | None]) -> dict:
     """Burst tok/s from the median makespan; single-stream and prefill tok/s from the median run times."""
     expected_burst = len(job["bursts"][0]) * job["max_new_tokens"]
     for run in burst_runs:
@@ -80,8 +80,10 @@ def _summary(job: dict, burst_runs: list[dict], single_runs: list[dict],
         "burst_output_tok_s": expected_burst / burst,
         "burst_makespan_s": burst,
         "burst_runs_makespan_s": [r["makespan_s"] for r in burst_runs],
-        # where the host had put the two CPUs as each burst began (bench/placement.py)
+        # where the host had put the two CPUs as each burst began, and as the single streams and the prefills
+        # began (bench/placement.py)
         "burst_runs_round_trip_ns": [r["round_trip_ns"] for r in burst_runs],
+        **{f"{workload}_round_trip_ns": ns for workload, ns in round_trips.items()},
         "single_stream_tok_s": job["max_new_tokens"] / single,
         "single_stream_s": single,
         "single_stream_runs_s": [r["seconds"] for r in single_runs],
@@ -184,20 +186,22 @@ def run_tandem(job: dict, precision: str) -> dict:
             round_trip = round_trip_ns()
             bursts.append({**await bench_engine.tandem_burst(runner, batch, job["max_new_tokens"], f"burst{r}"),
                            "round_trip_ns": round_trip})
+        round_trips = {"single_stream": round_trip_ns()}
         singles = [await single(prompt, f"single{r}") for r, prompt in enumerate(job["singles"])]
+        round_trips["prefill"] = round_trip_ns()
         prefills = {length: [(await single(prompt, f"prefill{length}-{r}", 1))["ttft_s"]
                              for r, prompt in enumerate(prompts)]
                     for length, prompts in job["prefill_prompts"].items()}
-        return bursts, singles, prefills
+        return bursts, singles, prefills, round_trips
 
     runner.start()
     try:
-        bursts, singles, prefills = asyncio.run(go())
+        bursts, singles, prefills, round_trips = asyncio.run(go())
     finally:
         runner.stop()
     if options.get("decode_weights"):  # after the timed runs: this thread's OpenMP team would compete with them
         _save_logprobs(job, "tandem", precision, teacher_forced_logprobs(engine.executor, job["quality_tokens"]))
-    result = _summary(job, bursts, singles, prefills)
+    result = _summary(job, bursts, singles, prefills, round_trips)
     result["startup_s"] = startup
     result["settings"] = {**{k: str(v) for k, v in options.items()}, "max_active_requests": num_requests,
                           "max_num_batched_tokens": scheduler.max_num_batched_tokens,
@@ -240,6 +244,7 @@ def run_vllm(job: dict, precision: str) -> dict:
         seconds, outputs = generate(batch, params)
         bursts.append({"makespan_s": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
                        "round_trip_ns": round_trip})
+    round_trips = {"single_stream": round_trip_ns()}
     singles = []
     for prompt in job["singles"]:
         seconds, outputs = generate([prompt], params)
@@ -250,9 +255,10 @@ def run_vllm(job: dict, precision: str) -> dict:
         tokens = list(outputs[0].outputs[0].token_ids)
         singles.append({"seconds": seconds, "ttft_s": ttft, "output_tokens": len(tokens), "tokens": tokens})
     first_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    round_trips["prefill"] = round_trip_ns()
     prefills = {length: [generate([prompt], first_token)[0] for prompt in prompts]
                 for length, prompts in job["prefill_prompts"].items()}
-    result = _summary(job, bursts, singles, prefills)
+    result = _summary(job, bursts, singles, prefills, round_trips)
     result["startup_s"] = startup
     result["settings"] = {"dtype": precision, "enable_prefix_caching": True, "max_model_len": CONTEXT,
                           "max_num_seqs": max(num_requests, 8),
@@ -311,6 +317,7 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
             reused.append(_common_prefix(llm._input_ids.tolist(), prompt))
             count += len(one(prompt, start)["tokens"])
         bursts.append({"makespan_s": time.perf_counter() - start, "output_tokens": count, "round_trip_ns": round_trip})
+    round_trips = {"single_stream": round_trip_ns()}
     singles = []
     for prompt in job["singles"]:
         llm.reset()
@@ -318,6 +325,7 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
         run = one(prompt, start)
         singles.append({"seconds": time.perf_counter() - start, "ttft_s": run["ttft_s"],
                         "output_tokens": len(run["tokens"]), "tokens": run["tokens"]})
+    round_trips["prefill"] = round_trip_ns()
     prefills: dict[str, list[float]] = {}
     for length, prompts in job["prefill_prompts"].items():
         for prompt in prompts:
@@ -325,7 +333,7 @@ def run_llama_cpp(job: dict, precision: str) -> dict:
             start = time.perf_counter()
             next(llm.generate(prompt, temp=0.0, top_k=1, reset=True))
             prefills.setdefault(length, []).append(time.perf_counter() - start)
-    result = _summary(job, bursts, singles, prefills)
+    result = _summary(job, bursts, singles, prefills, round_trips)
     result["startup_s"] = startup
     result["settings"] = {"gguf": path, "n_threads": n_threads, "n_threads_batch": n_threads, "n_ctx": CONTEXT,
                           "n_batch": 512, "prompt_tokens_reused_per_burst_request_min": min(reused)}
@@ -675,9 +683,10 @@ def main() -> None:
             else:
                 print(f"  burst {result['burst_output_tok_s']:.1f} tok/s (makespan {result['burst_makespan_s']:.2f} s; "
                       f"CPUs' round trip {result['burst_runs_round_trip_ns']} ns), "
-                      f"single stream {result['single_stream_tok_s']:.1f} tok/s, prefill "
+                      f"single stream {result['single_stream_tok_s']:.1f} tok/s "
+                      f"({result['single_stream_round_trip_ns']} ns), prefill "
                       + ", ".join(f"{n}: {result[f'prefill_{n}_tok_s']:.0f} tok/s" for n in PREFILL_LENGTHS)
-                      + f", {result['wall_s']:.0f} s in all", flush=True)
+                      + f" ({result['prefill_round_trip_ns']} ns), {result['wall_s']:.0f} s in all", flush=True)
         measured_quality = quality(Path(tmp), job["quality_tokens"])
     for precision, note in gguf_notes.items():
         if precision not in results.get("llama_cpp", {}):
