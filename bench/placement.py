@@ -83,6 +83,10 @@ def slower_cpu_share() -> float | None:
     return round(min(rates) / max(rates), 3)
 
 
+def _line(figures: dict[str, float | None]) -> str:
+    return ", ".join(f"{key} {'-' if value is None else format(value, '.4g')}" for key, value in figures.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=300)
@@ -113,11 +117,12 @@ def main() -> None:
         return (time.perf_counter() - start) * 1000
 
     def one_thread_step_ms(rows: int) -> float:
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             return timed_steps(engine, rows, 20, collections.Counter())["step_ms"]
         finally:
-            torch.set_num_threads(2)
+            torch.set_num_threads(threads)
 
     for rows in paths.values():
         prefill_ms(rows)
@@ -131,7 +136,7 @@ def main() -> None:
                  "read_gb_s": read_bandwidth_gb_s(3),
                  **{name: min(prefill_ms(rows) for _ in range(2)) for name, rows in paths.items()}}
         rounds.append(entry)
-        print(time.strftime("%H:%M:%S"), ", ".join(f"{key} {value:.4g}" for key, value in entry.items()), flush=True)
+        print(time.strftime("%H:%M:%S"), _line(entry), flush=True)
     placements = collections.defaultdict(list)
     for entry in rounds:
         if entry["round_trip_ns"] is not None:
@@ -143,7 +148,7 @@ def main() -> None:
     (RESULTS / "placement.json").write_text(json.dumps({"prompt_rows": measured_prompt_rows,
                                                         "medians": summary, "rounds": rounds}, indent=2) + "\n")
     for placement, medians in summary.items():
-        print(f"{placement}: " + ", ".join(f"{key} {value:.4g}" for key, value in medians.items()))
+        print(f"{placement}: {_line(medians)}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,20 @@
 
 static _Alignas(64) atomic_long turn;
 
+/* Pins the calling thread to `cpu`; nonzero where it may not be. */
+static int pin_to(int cpu)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+static double ns_between(struct timespec start, struct timespec end)
+{
+    return (end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec);
+}
+
 typedef struct {
     int cpu, parity;
     long trips;
@@ -19,10 +33,7 @@ typedef struct {
 static void *play(void *argument)
 {
     const player *me = argument;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(me->cpu, &set);
-    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set)) {
+    if (pin_to(me->cpu)) {
         atomic_store(&turn, ABANDONED);
         return (void *)1;
     }
@@ -57,7 +68,7 @@ double tandem_round_trip_ns(int first_cpu, int second_cpu, long trips)
     clock_gettime(CLOCK_MONOTONIC, &end);
     if (made < 2 || failed[0] || failed[1])
         return -1;
-    return ((end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec)) / trips;
+    return ns_between(start, end) / trips;
 }
 
 typedef double pair __attribute__((vector_size(16)));
@@ -71,10 +82,7 @@ typedef struct {
 static void *count(void *argument)
 {
     counter *me = argument;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(me->cpu, &set);
-    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set)) {
+    if (pin_to(me->cpu)) {
         me->rate = -1;
         return NULL;
     }
@@ -91,7 +99,7 @@ static void *count(void *argument)
     clock_gettime(CLOCK_MONOTONIC, &end);
     pair total = a + b + c + d + e + f + g + h;
     seed = total[0] + total[1];
-    me->rate = 16.0 * me->steps / ((end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec));
+    me->rate = 16.0 * me->steps / ns_between(start, end);
     return NULL;
 }
 
