@@ -86,14 +86,26 @@ def test_few_row_steps_read_the_int8_copy_with_a_scale_per_group(kernels):
     linear = nn.Linear(64, 7)
     packed = PackedLinear(linear, kernels, torch.int8, decode_rows=3)
     assert packed.decode_weight.group == INT8_GROUP == 32
-    padded = kernels.amx_block_rows or 9  # the AMX layout pads to its blocks
+    padded = kernels.amx_block_rows or kernels.integer_tile_rows  # rows of zeros up to a whole block or tile
     assert packed.decode_weight.dtype == torch.int8 and packed.decode_weight.nbytes == padded * (64 + 2 * 2)
     groups = linear.weight.view(7, 2, 32)
     scales = (groups.abs().amax(dim=2, keepdim=True) / 127).half().float()
     dequantized = (torch.round(groups / scales).clamp(-127, 127) * scales).view(7, 64)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(packed(x), F.linear(x, dequantized, linear.bias), rtol=1e-5, atol=1e-5)
+    expected = F.linear(int8_rows_as_multiplied(kernels, x).double(), dequantized.double(), linear.bias.double())
+    torch.testing.assert_close(packed(x), expected.float(), rtol=1e-5, atol=1e-5)
     assert (packed(x) - linear(x)).abs().max() < 0.02  # within int8 rounding of the float32 weights
+
+
+def int8_rows_as_multiplied(kernels, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``linear`` multiplies it by int8 weights: in float32 in the AMX build (below ``amx_min_rows``), in
+    the others rounded to int16 in each ``INTEGER_ROW_GROUP`` columns."""
+    if kernels.amx_block_rows:
+        return x.double()
+    grouped = x.view(len(x), -1, cpu_kernels.INTEGER_ROW_GROUP)
+    top = grouped.abs().amax(dim=2, keepdim=True)
+    inverse = torch.full_like(top, 32767) / top  # divided as the kernel divides
+    return ((grouped * inverse).round().double() * (top / 32767).double()).view(x.shape)
 
 
 def unpacked(packed):
@@ -115,14 +127,14 @@ def unpacked(packed):
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype, group, rows, width, outputs", [
     (dtype, group, *shape)
-    for dtype, group in [(torch.float16, None), (torch.int8, None), (torch.int8, 16), (torch.int8, 32)]
+    for dtype, group in [(torch.float16, None), (torch.int8, None), (torch.int8, 32), (torch.int8, 64)]
     for shape in [(1, 16, 1), (1, 576, 7), (1, 1536, 64), (1, 2176, 5), (2, 32, 3), (5, 576, 7), (9, 1536, 64),
-                  (20, 576, 40), (49, 64, 33)]
+                  (20, 576, 40), (49, 64, 33), (70, 96, 17)]
     if group is None or shape[1] % group == 0])
 def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, group, rows, width, outputs):
     """In float32, but for int8 weights: in the AMX build, steps of ``amx_min_rows`` rows or more multiply the
-    rows and the scaled weights rounded to bfloat16 in tiles, summing in float32; in the others, one row is
-    rounded to int16 in each scale group, its products summed in int32 (2176 columns: more than one span of them)."""
+    rows and the scaled weights rounded to bfloat16 in tiles, summing in float32; in the others, the rows are
+    rounded to int16 in each group of 32 columns, their products summed in int32 (int8_rows_as_multiplied)."""
     if not kernels.packs(width, dtype, group):
         pytest.skip(f"the {kernels.isa} build packs no {dtype} weights {width} wide in groups of {group}")
     torch.manual_seed(rows)
@@ -139,10 +151,8 @@ def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, gro
     weight_used, x_used = unpacked(packed), x.double()
     if dtype == torch.int8 and kernels.amx_min_rows and rows >= kernels.amx_min_rows:
         weight_used, x_used = weight_used.bfloat16().double(), x.bfloat16().double()
-    if dtype == torch.int8 and not kernels.amx_block_rows and rows == 1:
-        grouped = x.view(-1, group or width)
-        top = grouped.abs().amax(dim=1, keepdim=True)
-        x_used = ((grouped * (32767 / top)).round().double() * (top / 32767).double()).view(x.shape)
+    elif dtype == torch.int8:
+        x_used = int8_rows_as_multiplied(kernels, x)
     expected = F.linear(x_used, weight_used, bias.double()).float()
     torch.testing.assert_close(kernels.linear(x, packed, bias), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(kernels.linear(x, packed, None), expected - bias, rtol=1e-5, atol=1e-4)
@@ -162,7 +172,7 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in
     weight = on_q4_1_grid(torch.randn(outputs, width))
     assert cpu_kernels.on_uint4_grid(weight) and not cpu_kernels.on_uint4_grid(torch.randn(outputs, width))
     packed = kernels.pack(weight, torch.uint4)
-    padded_rows = -(-outputs // kernels.uint4_tile_rows) * kernels.uint4_tile_rows
+    padded_rows = -(-outputs // kernels.integer_tile_rows) * kernels.integer_tile_rows
     assert packed.dtype == torch.uint4 and packed.nbytes == padded_rows * (width // 2 + 2 * 2 * width // 32)
     grouped = weight.view(outputs, -1, 32)
     minimums = grouped.amin(dim=2, keepdim=True)
@@ -181,10 +191,11 @@ def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in
 
 
 @torch.inference_mode()
-def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(emulated):
-    """Its vpdpwssd and vpdpbusd (rows rounded to int8, from ``uint4_int8_rows`` rows) sum the very int32 products
-    that vpmaddwd and vpmaddubsw sum in the AVX2 build, and it scales them with the same float32 operations: what
-    the quality gate measured on one build holds on the other."""
+@pytest.mark.parametrize("dtype", [torch.uint4, torch.int8])
+def test_the_avx512_build_sums_integer_weights_to_the_bit_as_the_avx2_build_does(emulated, dtype):
+    """Its vpdpwssd and vpdpbusd (uint4 weights, rows rounded to int8, from ``uint4_int8_rows`` rows) sum the very
+    int32 products that vpmaddwd and vpmaddubsw sum in the AVX2 build, and it scales them with the same float32
+    operations: what the quality gate measured on one build holds on the other."""
     if "avx2" not in BUILDS:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     avx2 = loaded("avx2")
@@ -194,8 +205,8 @@ def test_the_avx512_build_sums_uint4_weights_to_the_bit_as_the_avx2_build_does(e
     bias = torch.randn(45)
     for rows in (1, 3, 4, 9, 64, 128, 133):
         x = torch.randn(rows, 320)
-        assert torch.equal(avx512.linear(x, avx512.pack(weight, torch.uint4), bias),
-                           avx2.linear(x, avx2.pack(weight, torch.uint4), bias))
+        assert torch.equal(avx512.linear(x, avx512.pack(weight, dtype), bias),
+                           avx2.linear(x, avx2.pack(weight, dtype), bias))
 
 
 @torch.inference_mode()
@@ -702,11 +713,13 @@ def test_a_small_step_with_prompt_chunks_attends_them_as_chunks_in_the_same_one_
 def test_a_small_step_attends_its_prompt_tokens_as_decodes_do(tiny_model, monkeypatch):
     """A step small enough for the decode copy runs its prompt tokens as decode rows: each attends its own
     positions in place through the block table (the cached prefix read once for all of them), and the decoder
-    layers run in one call. Its logits are those of the same tokens as a prefill chunk."""
+    layers run in one call. Its logits are those of the same tokens as a prefill chunk (float16 decode weights,
+    whose rows are multiplied in float32: int8's, rounded to int16, could round the two attentions' outputs, a float32
+    rounding apart, to neighbouring integers)."""
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot run here (see the log for why)")
     engine = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=16), calibrate=False,
-                          decode_weights="int8", batched_weights="float32")
+                          decode_weights="float16", batched_weights="float32")
     runner, chunk = engine.executor, 16
     runner.model.decode_rows = chunk
     calls = []

@@ -1,20 +1,19 @@
 /* CPU kernels for the steps of a float32 model, on AVX2 + FMA + F16C; work is shared out between
  * `threads` OpenMP threads of torch's own libgomp (already loaded when this library is).
  *
- * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16 or int8 weights w. A decode step
+ * tandem_linear: y = x · wᵀ (+ bias) for a few float32 rows x and float16, int8 or 4-bit weights w. A decode step
  * multiplies every weight matrix by a handful of rows, so it is bound by reading the weights. Stored as float16
  * they are half the bytes of float32, as int8 a quarter plus their scales: each group of `group` consecutive
  * weights of a row is scaled to ±127, its scale kept as a float16, as llama.cpp's Q8_0 keeps it (a group of a whole
- * row is one scale per row). They are widened to float32 in registers and multiplied by their group's scale, and
- * every product and sum is float32. The weight rows are cut into tiles of TILE_N rows, shared out between the
- * threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass over it. Built with AVX-512
- * (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and the weights are packed for that width.
- * One row against int8 weights (a single stream's decode step) multiplies in integers instead (one_row_tile):
- * widening and scaling every weight to float32 would bound it by arithmetic, not by reading the weights. 4-bit
- * weights (an eighth of the bytes, on llama.cpp's Q4_1 grid) multiply every row in integers (int4_linear), rounded
- * to int8 in steps of many rows (a prompt chunk's) and to int16 in the others (a decode step's).
- * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and steps of many rows multiply in tiles
- * (amx_linear below).
+ * row is one scale per row); as 4-bit weights (on llama.cpp's Q4_1 grid) an eighth. float16 weights are widened to
+ * float32 in registers, and every product and sum is float32: the weight rows are cut into tiles of TILE_N rows,
+ * shared out between the threads; a tile stays in L1 while all the input rows, TILE_M at a time, pass over it.
+ * Built with AVX-512 (-mavx512f), it works on 16 floats at a time instead of 8 (CHUNK), and the weights are packed
+ * for that width. int8 and 4-bit weights multiply every row in integers (integer_linear), the rows rounded to int16
+ * (for 4-bit weights, to int8 in steps of many rows, a prompt chunk's): widening and scaling every weight to
+ * float32 would bound a step of several rows by arithmetic, not by reading the weights.
+ * Built with AMX (-mamx-bf16), int8 weights take a layout of their own and multiply in float32, steps of many rows
+ * in AMX tiles (amx_linear below).
  *
  * tandem_linear_bf16 (the AMX build): steps of many bfloat16 rows times bfloat16 weights in that layout, in AMX
  * tiles, the batched path of a model with bfloat16 batched weights; for a gate and up projection, it applies
@@ -38,10 +37,6 @@
 #include <string.h>
 
 #define TILE_N 3
-#define INT8_CHUNK 16 /* int8 weights of a row kept together in the packed layout: one 256-bit widening to int16 */
-/* The most columns one_row_tile sums in int32 before scaling them into float32: 1024 / 8 products of 127 · 32767
- * a lane stay below 2^31. */
-#define ONE_ROW_SPAN 1024
 /* How far ahead of its reads tandem_linear prefetches the weights: left to the hardware prefetcher,
  * the weight stream stalls the arithmetic of a batch of rows instead of overlapping it. A pass of one
  * row does little arithmetic per byte and so reads the stream faster: it prefetches twice as far ahead
@@ -56,7 +51,6 @@ typedef __m512 chunk_vector;
 #define chunk_zero _mm512_setzero_ps
 #define chunk_load _mm512_loadu_ps
 #define chunk_load_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define chunk_load_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define chunk_fmadd _mm512_fmadd_ps
 #define chunk_sum _mm512_reduce_add_ps
 #define chunk_store _mm512_storeu_ps
@@ -72,7 +66,6 @@ typedef __m256 chunk_vector;
 #define chunk_zero _mm256_setzero_ps
 #define chunk_load _mm256_loadu_ps
 #define chunk_load_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define chunk_load_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #define chunk_fmadd _mm256_fmadd_ps
 #define chunk_sum horizontal_sum
 #define chunk_store _mm256_storeu_ps
@@ -97,7 +90,7 @@ static inline float horizontal_sum(__m256 v)
     return _mm_cvtss_f32(sum);
 }
 
-/* Weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of CHUNK (int8: INT8_CHUNK): [n / TILE_N]
+/* float16 weight rows tile by tile, each tile's TILE_N rows interleaved in chunks of CHUNK: [n / TILE_N]
  * [k / CHUNK][TILE_N][CHUNK], so the kernel reads the weight in one sequential stream (the hardware
  * prefetcher keeps up with one stream, not with TILE_N short ones). The last tile is padded with zero
  * rows. */
@@ -111,48 +104,28 @@ int tandem_linear_chunk(void)
     return CHUNK;
 }
 
-int tandem_linear_int8_chunk(void)
-{
-    return INT8_CHUNK;
-}
-
-/* rows m < rows_m of x against one packed tile; rows_m and int8 (the weights are int8 with a scale per
- * group of `group` columns, else float16) are constants at every call site, so the accumulators stay in
- * registers and each weight format gets its own loop. The tile's scales are [k_size / group][TILE_N].
- * Writes the first `columns` of the tile's TILE_N outputs. */
-static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t k_size, const void *w, int int8, const uint16_t *scales, int64_t group,
-    const float *bias, float *y, int64_t ldy, int rows_m, int columns)
+/* rows m < rows_m of x against one packed float16 tile; rows_m is a constant at every call site, so the accumulators
+ * stay in registers. Writes the first `columns` of the tile's TILE_N outputs. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t k_size, const uint16_t *w,
+                                                       const float *bias, float *y, int64_t ldy, int rows_m,
+                                                       int columns)
 {
     chunk_vector acc[TILE_M][TILE_N];
     for (int m = 0; m < rows_m; m++)
         for (int n = 0; n < TILE_N; n++)
             acc[m][n] = chunk_zero();
     const int64_t ahead = rows_m == 1 ? PREFETCH_BYTES_ONE_ROW : PREFETCH_BYTES;
-    for (int64_t start = 0; start < k_size; start += group) {
-        chunk_vector scale[TILE_N];
-        if (int8)
+    for (int64_t k = 0; k < k_size; k += CHUNK) {
+        const char *next = (const char *)(w + k * TILE_N);
+        _mm_prefetch(next + ahead, _MM_HINT_T0);
+        _mm_prefetch(next + ahead + 64, _MM_HINT_T0);
+        chunk_vector wv[TILE_N];
+        for (int n = 0; n < TILE_N; n++)
+            wv[n] = chunk_load_f16(w + k * TILE_N + n * CHUNK);
+        for (int m = 0; m < rows_m; m++) {
+            chunk_vector xv = chunk_load(x + m * k_size + k);
             for (int n = 0; n < TILE_N; n++)
-                scale[n] = chunk_set1(_cvtsh_ss(scales[start / group * TILE_N + n]));
-        const int64_t together = int8 ? INT8_CHUNK : CHUNK; /* columns of a row kept together in the layout */
-        for (int64_t k0 = start; k0 < start + group; k0 += together) {
-            const char *next = (const char *)w + k0 * TILE_N * (int8 ? 1 : 2);
-            _mm_prefetch(next + ahead, _MM_HINT_T0);
-            if (!int8)
-                _mm_prefetch(next + ahead + 64, _MM_HINT_T0);
-            for (int64_t part = 0; part < together; part += CHUNK) {
-                int64_t k = k0 + part;
-                chunk_vector wv[TILE_N];
-                for (int n = 0; n < TILE_N; n++)
-                    wv[n] = int8 ? chunk_mul(chunk_load_i8((const int8_t *)w + k0 * TILE_N + n * INT8_CHUNK + part),
-                                             scale[n])
-                                 : chunk_load_f16((const uint16_t *)w + k * TILE_N + n * CHUNK);
-                for (int m = 0; m < rows_m; m++) {
-                    chunk_vector xv = chunk_load(x + m * k_size + k);
-                    for (int n = 0; n < TILE_N; n++)
-                        acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
-                }
-            }
+                acc[m][n] = chunk_fmadd(wv[n], xv, acc[m][n]);
         }
     }
     for (int m = 0; m < rows_m; m++)
@@ -163,22 +136,20 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* Every row of x against tile t. */
-static inline __attribute__((always_inline)) void tile_all_rows(
-    const float *x, int64_t rows, int64_t k_size, const void *w, int int8, const uint16_t *scales, int64_t group,
-    int64_t n_size, const float *bias, float *y, int64_t t)
+static inline __attribute__((always_inline)) void tile_all_rows(const float *x, int64_t rows, int64_t k_size,
+                                                                const uint16_t *w, int64_t n_size, const float *bias,
+                                                                float *y, int64_t t)
 {
     int64_t n = t * TILE_N;
     int columns = n_size - n < TILE_N ? (int)(n_size - n) : TILE_N;
-    const void *wt = (const char *)w + n * k_size * (int8 ? 1 : 2);
-    const uint16_t *st = int8 ? scales + n * (k_size / group) : 0;
+    const uint16_t *wt = w + n * k_size;
     const float *bt = bias ? bias + n : 0;
     int64_t m = 0;
     for (; m + TILE_M <= rows; m += TILE_M)
-        tile(x + m * k_size, k_size, wt, int8, st, group, bt, y + m * n_size + n, n_size, TILE_M, columns);
+        tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, TILE_M, columns);
     /* the remaining rows in one pass over the tile, their count a constant in each case */
 #define REMAINING(count) \
-    case count: tile(x + m * k_size, k_size, wt, int8, st, group, bt, y + m * n_size + n, n_size, count, columns); \
-        break;
+    case count: tile(x + m * k_size, k_size, wt, bt, y + m * n_size + n, n_size, count, columns); break;
     switch (rows - m) {
         REMAINING(1) REMAINING(2) REMAINING(3)
 #if TILE_M == 8
@@ -186,45 +157,6 @@ static inline __attribute__((always_inline)) void tile_all_rows(
 #endif
     }
 #undef REMAINING
-}
-
-/* One row of x, its groups scaled to int16 (quantize_row), against int8 tile t: each group's products are
- * summed exactly in int32 lanes (vpmaddwd: 16 products in one instruction, where float32 takes a widening, a
- * conversion and a scaling of every 8 weights besides their 8 products), ONE_ROW_SPAN columns at most, then
- * scaled by the weight group's and the row group's scales into float32 sums. */
-static void one_row_tile(const int16_t *xq, const float *x_scales, int64_t k_size, const int8_t *w,
-                         const uint16_t *scales, int64_t group, int64_t n_size, const float *bias, float *y, int64_t t)
-{
-    int64_t n0 = t * TILE_N;
-    int columns = n_size - n0 < TILE_N ? (int)(n_size - n0) : TILE_N;
-    w += n0 * k_size;
-    scales += n0 * (k_size / group);
-    __m256 acc[TILE_N];
-    for (int n = 0; n < TILE_N; n++)
-        acc[n] = _mm256_setzero_ps();
-    for (int64_t span = 0, end; span < k_size; span = end) {
-        int64_t g = span / group;
-        end = span + ONE_ROW_SPAN < (g + 1) * group ? span + ONE_ROW_SPAN : (g + 1) * group;
-        __m256i sums[TILE_N];
-        for (int n = 0; n < TILE_N; n++)
-            sums[n] = _mm256_setzero_si256();
-        for (int64_t k = span; k < end; k += INT8_CHUNK) {
-            const int8_t *chunk = w + k * TILE_N;
-            _mm_prefetch((const char *)chunk + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + k));
-            for (int n = 0; n < TILE_N; n++) {
-                __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(chunk + n * INT8_CHUNK)));
-                sums[n] = _mm256_add_epi32(sums[n], _mm256_madd_epi16(wv, xv));
-            }
-        }
-        for (int n = 0; n < TILE_N; n++)
-            acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[n]),
-                                     _mm256_set1_ps(x_scales[g] * _cvtsh_ss(scales[g * TILE_N + n])), acc[n]);
-    }
-    for (int n = 0; n < columns; n++) {
-        float sum = horizontal_sum(acc[n]);
-        y[n0 + n] = bias ? sum + bias[n0 + n] : sum;
-    }
 }
 
 /* x[0, n) (n a multiple of 16) scaled to ±32767 and rounded to nearest, into q; returns the scale, and x's sum in
@@ -248,13 +180,6 @@ static inline float quantize_int16(const float *x, int64_t n, int16_t *q, float 
         _mm256_storeu_si256((__m256i *)(q + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(low, high), 0xD8));
     }
     return largest / 32767.0f;
-}
-
-/* x's groups of `group` columns each scaled to ±32767 and rounded, into q, with their scales. */
-static void quantize_row(const float *x, int64_t k_size, int64_t group, int16_t *q, float *scales)
-{
-    for (int64_t start = 0; start < k_size; start += group)
-        scales[start / group] = quantize_int16(x + start, group, q + start, NULL);
 }
 
 /* Per calling thread, memory that keeps its largest size from call to call: a fresh allocation of megabytes
@@ -300,34 +225,40 @@ static void *scratch(size_t bytes)
     return area->memory;
 }
 
-/* 4-bit weights (tandem_linear with `mins`): each 32 columns of a row hold 16 levels, weight = scale · q + min
- * with q in 0..15 and a float16 scale and min, the grid of llama.cpp's Q4_1. The rows of x are rounded to int16 in
- * each group, and a group's products summed in int32 by vpmaddwd (vpdpwssd in the AVX-512 builds), which
- * multiplies twice as many pairs a cycle as FMA multiplies floats, so that a step of many rows (a prompt chunk)
- * runs faster in integers than in float32 too;
- * steps of INT4_INT8_ROWS rows or more round them to int8 for vpmaddubsw (vpdpbusd), twice as many pairs again.
- * The weights are laid out as a matrix multiply wants them: in tiles of INT4_TILE_N weight rows (two vectors of
- * output columns), 32 bytes per 4 columns of x, [tiles][k_size / 4][2][16 bytes], byte j of a vector holding
- * output column j / 2's weights at columns 4i + j % 2 (its low nibble) and 4i + 2 + j % 2 (its high nibble).
- * Widened to int16 and split into nibbles, a vector pairs with a broadcast pair of x's int16 values: 8 output
- * columns' sums of two products each. The scales and the mins are [tiles][k_size / 32][INT4_TILE_N]. */
+/* Weights in integers, multiplied in integers: the rows of x are rounded to int16 in each group of INT4_GROUP columns
+ * (their scale the group's largest magnitude over 32767), and a group's products summed in int32 by vpmaddwd
+ * (vpdpwssd in the AVX-512 builds), which multiplies twice as many pairs a cycle as FMA multiplies floats, with no
+ * weight to widen to float32 and scale first, so that a step of several rows is not bound by arithmetic where
+ * float32 would be. The weights are in tiles of INTEGER_TILE_N weight rows (two vectors of output columns in AVX2,
+ * one in the VNNI builds), laid out as a matrix multiply wants them, their scales (and minimums) [tiles][groups]
+ * [INTEGER_TILE_N]:
+ * - 4-bit weights (tandem_linear with `mins`): each 32 columns of a row hold 16 levels, weight = scale · q + min
+ *   with q in 0..15 and a float16 scale and min, the grid of llama.cpp's Q4_1. 32 bytes per 4 columns of x,
+ *   [tiles][k_size / 4][2][16 bytes], byte j of a vector holding output column j / 2's weights at columns
+ *   4i + j % 2 (its low nibble) and 4i + 2 + j % 2 (its high nibble). Widened to int16 and split into nibbles, a
+ *   vector pairs with a broadcast pair of x's int16 values: 8 output columns' sums of two products each. Steps of
+ *   INT4_INT8_ROWS rows or more (prompt chunks) round x to int8 for vpmaddubsw (vpdpbusd), twice as many pairs
+ *   again.
+ * - int8 weights (tandem_linear with `scales` alone): a float16 scale per `group` columns (a multiple of
+ *   INT4_GROUP). 32 bytes per 2 columns of x, [tiles][k_size / 2][INTEGER_TILE_N][2]: widened to int16, a vector
+ *   of 16 (AVX2: 8) output columns' pairs meets a broadcast pair of x's int16 values. */
 #define INT4_GROUP 32
-#define INT4_TILE_N 16
+#define INTEGER_TILE_N 16
 /* rows of x against a tile at once: in AVX2, 8 int32 sums, 4 weight and 2 x vectors in registers; in the VNNI
  * builds, 16 int32 sums and 8 float32 ones among the 32 vector registers */
 #ifdef __AVX512VNNI__
-#define INT4_ROWS 8
+#define INTEGER_ROWS 8
 #else
-#define INT4_ROWS 4
+#define INTEGER_ROWS 4
 #endif
-#define INT4_ROW_BLOCK 64 /* rows whose int16 values stay in L2 while a thread's tiles pass over them */
+#define INTEGER_ROW_BLOCK 64 /* rows whose int16 values stay in L2 while a thread's tiles pass over them */
 /* Steps of at least this many rows (prompt chunks, with any decodes beside them; the decode crossover times steps
  * of up to 64) round x to int8, not int16, for vpmaddubsw (int4_tile_int8_rows). */
 #define INT4_INT8_ROWS 128
 
-int tandem_linear_int4_tile_rows(void)
+int tandem_linear_integer_tile_rows(void)
 {
-    return INT4_TILE_N;
+    return INTEGER_TILE_N;
 }
 
 int tandem_linear_int4_int8_rows(void)
@@ -336,11 +267,11 @@ int tandem_linear_int4_int8_rows(void)
 }
 
 /* A tile's float32 sums for rows_m rows (plus the bias) into its first `columns` output columns of y. */
-static inline __attribute__((always_inline)) void store_int4_tile(__m256 acc[][2], const float *bias, float *y,
-                                                                  int64_t ldy, int rows_m, int columns)
+static inline __attribute__((always_inline)) void store_integer_tile(__m256 acc[][2], const float *bias, float *y,
+                                                                     int64_t ldy, int rows_m, int columns)
 {
     for (int m = 0; m < rows_m; m++) {
-        float out[INT4_TILE_N];
+        float out[INTEGER_TILE_N];
         _mm256_storeu_ps(out, acc[m][0]);
         _mm256_storeu_ps(out + 8, acc[m][1]);
         for (int n = 0; n < columns; n++)
@@ -349,18 +280,20 @@ static inline __attribute__((always_inline)) void store_int4_tile(__m256 acc[][2
 }
 
 /* A group's int32 sums of rows_m rows against a tile (sums[m][0] output columns 0-7, [1] 8-15) into their float32
- * sums: times the weights' steps and each row's scale, plus the weights' minimums times each row's sum. */
-static inline __attribute__((always_inline)) void accumulate_int4_group(
+ * sums: times the weights' scales (`scales`, the group's INTEGER_TILE_N) and each row's scale, plus, for uint4
+ * weights (`mins` not NULL), the weights' minimums times each row's sum. */
+static inline __attribute__((always_inline)) void accumulate_integer_group(
     __m256 acc[][2], __m256i sums[][2], const uint16_t *scales, const uint16_t *mins, int64_t g,
     const float *x_scales, const float *x_sums, int64_t groups, int rows_m)
 {
     for (int v = 0; v < 2; v++) {
-        __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * INT4_TILE_N + v * 8)));
-        __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + g * INT4_TILE_N + v * 8)));
+        __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + v * 8)));
         for (int m = 0; m < rows_m; m++) {
             __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(x_scales[m * groups + g]));
             acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][v]), row_scale, acc[m][v]);
-            acc[m][v] = _mm256_fmadd_ps(min, _mm256_set1_ps(x_sums[m * groups + g]), acc[m][v]);
+            if (mins)
+                acc[m][v] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mins + v * 8))),
+                                            _mm256_set1_ps(x_sums[m * groups + g]), acc[m][v]);
         }
     }
 }
@@ -370,25 +303,26 @@ static inline __attribute__((always_inline)) void accumulate_int4_group(
 #ifdef __AVX512VNNI__
 /* The VNNI builds hold a tile's 16 output columns in one 512-bit vector. */
 
-/* A group's int32 sums of rows_m rows against a tile into their float32 sums, as accumulate_int4_group does. */
-static inline __attribute__((always_inline)) void accumulate_int4_group16(
+/* A group's int32 sums of rows_m rows against a tile into their float32 sums, as accumulate_integer_group does. */
+static inline __attribute__((always_inline)) void accumulate_integer_group16(
     __m512 acc[], const __m512i totals[], const uint16_t *scales, const uint16_t *mins, int64_t g,
     const float *x_scales, const float *x_sums, int64_t groups, int rows_m)
 {
-    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * INT4_TILE_N)));
-    __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mins + g * INT4_TILE_N)));
+    __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
     for (int m = 0; m < rows_m; m++) {
         __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[m * groups + g]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(totals[m]), row_scale, acc[m]);
-        acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[m * groups + g]), acc[m]);
+        if (mins)
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mins)),
+                                     _mm512_set1_ps(x_sums[m * groups + g]), acc[m]);
     }
 }
 
-static inline __attribute__((always_inline)) void store_int4_tile16(const __m512 acc[], const float *bias, float *y,
-                                                                    int64_t ldy, int rows_m, int columns)
+static inline __attribute__((always_inline)) void store_integer_tile16(const __m512 acc[], const float *bias, float *y,
+                                                                       int64_t ldy, int rows_m, int columns)
 {
     for (int m = 0; m < rows_m; m++) {
-        float out[INT4_TILE_N];
+        float out[INTEGER_TILE_N];
         _mm512_storeu_ps(out, acc[m]);
         for (int n = 0; n < columns; n++)
             y[m * ldy + n] = bias ? out[n] + bias[n] : out[n];
@@ -405,12 +339,12 @@ static inline __attribute__((always_inline)) void int4_tile(
 {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
     const int64_t groups = k_size / INT4_GROUP;
-    __m512 acc[INT4_ROWS];
+    __m512 acc[INTEGER_ROWS];
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
     const int parities = rows_m > 4 ? 1 : 2;
     for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[INT4_ROWS][4]; /* [row][2 · (quad % parities) + nibble] */
+        __m512i sums[INTEGER_ROWS][4]; /* [row][2 · (quad % parities) + nibble] */
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
 #pragma GCC unroll 8 /* so that every sum is a register */
@@ -429,13 +363,51 @@ static inline __attribute__((always_inline)) void int4_tile(
                 parity[1] = _mm512_dpwssd_epi32(parity[1], high, _mm512_set1_epi32(pair_high));
             }
         }
-        __m512i totals[INT4_ROWS];
+        __m512i totals[INTEGER_ROWS];
         for (int m = 0; m < rows_m; m++)
             totals[m] = _mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
                                          _mm512_add_epi32(sums[m][2], sums[m][3]));
-        accumulate_int4_group16(acc, totals, scales, mins, g, x_scales, x_sums, groups, rows_m);
+        accumulate_integer_group16(acc, totals, scales + g * INTEGER_TILE_N, mins + g * INTEGER_TILE_N, g,
+                                   x_scales, x_sums, groups, rows_m);
     }
-    store_int4_tile16(acc, bias, y, ldy, rows_m, columns);
+    store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
+}
+
+/* As int4_tile, for int8 weights: a pair's 32 bytes widened to int16, one vpdpwssd per row. A row's products go to
+ * up to four sums by the pair's place, so that a step of one row is bound by vpdpwssd's throughput, not by its
+ * latency. */
+static inline __attribute__((always_inline)) void int8_tile(
+    const int16_t *xq, const float *x_scales, int64_t k_size, const int8_t *w, const uint16_t *scales, int64_t group,
+    const float *bias, float *y, int64_t ldy, int rows_m, int columns)
+{
+    const int64_t groups = k_size / INT4_GROUP;
+    __m512 acc[INTEGER_ROWS];
+    for (int m = 0; m < rows_m; m++)
+        acc[m] = _mm512_setzero_ps();
+    const int chains = rows_m > 4 ? 1 : rows_m > 1 ? 2 : 4;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i sums[INTEGER_ROWS][4]; /* [row][pair % chains] */
+        for (int m = 0; m < rows_m; m++)
+            sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
+#pragma GCC unroll 16 /* so that every sum is a register */
+        for (int pair = 0; pair < INT4_GROUP / 2; pair++, w += 32) {
+            if (pair % 2 == 0)
+                _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
+            __m512i weights = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
+            for (int m = 0; m < rows_m; m++) {
+                int32_t two;
+                memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * pair, 4);
+                sums[m][pair % chains] = _mm512_dpwssd_epi32(sums[m][pair % chains], weights, _mm512_set1_epi32(two));
+            }
+        }
+        __m512i totals[INTEGER_ROWS];
+        for (int m = 0; m < rows_m; m++)
+            totals[m] = _mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
+                                         _mm512_add_epi32(sums[m][2], sums[m][3]));
+        accumulate_integer_group16(acc, totals, scales + g * INT4_GROUP / group * INTEGER_TILE_N, NULL, g, x_scales,
+                                   NULL, groups, rows_m);
+    }
+    store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
 }
 #else
 static inline __attribute__((always_inline)) void int4_tile(
@@ -444,11 +416,11 @@ static inline __attribute__((always_inline)) void int4_tile(
 {
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     const int64_t groups = k_size / INT4_GROUP;
-    __m256 acc[INT4_ROWS][2];
+    __m256 acc[INTEGER_ROWS][2];
     for (int m = 0; m < rows_m; m++)
         acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256i sums[INT4_ROWS][2];
+        __m256i sums[INTEGER_ROWS][2];
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = _mm256_setzero_si256();
         for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
@@ -470,9 +442,41 @@ static inline __attribute__((always_inline)) void int4_tile(
                 }
             }
         }
-        accumulate_int4_group(acc, sums, scales, mins, g, x_scales, x_sums, groups, rows_m);
+        accumulate_integer_group(acc, sums, scales + g * INTEGER_TILE_N, mins + g * INTEGER_TILE_N, g,
+                                 x_scales, x_sums, groups, rows_m);
     }
-    store_int4_tile(acc, bias, y, ldy, rows_m, columns);
+    store_integer_tile(acc, bias, y, ldy, rows_m, columns);
+}
+
+static inline __attribute__((always_inline)) void int8_tile(
+    const int16_t *xq, const float *x_scales, int64_t k_size, const int8_t *w, const uint16_t *scales, int64_t group,
+    const float *bias, float *y, int64_t ldy, int rows_m, int columns)
+{
+    const int64_t groups = k_size / INT4_GROUP;
+    __m256 acc[INTEGER_ROWS][2];
+    for (int m = 0; m < rows_m; m++)
+        acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i sums[INTEGER_ROWS][2];
+        for (int m = 0; m < rows_m; m++)
+            sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+        for (int pair = 0; pair < INT4_GROUP / 2; pair++, w += 32) {
+            if (pair % 2 == 0)
+                _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
+            __m256i weights[2] = {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
+                                  _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)))};
+            for (int m = 0; m < rows_m; m++) {
+                int32_t two;
+                memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * pair, 4);
+                __m256i x_pair = _mm256_set1_epi32(two);
+                for (int v = 0; v < 2; v++)
+                    sums[m][v] = _mm256_add_epi32(sums[m][v], _mm256_madd_epi16(weights[v], x_pair));
+            }
+        }
+        accumulate_integer_group(acc, sums, scales + g * INT4_GROUP / group * INTEGER_TILE_N, NULL, g, x_scales, NULL,
+                                 groups, rows_m);
+    }
+    store_integer_tile(acc, bias, y, ldy, rows_m, columns);
 }
 #endif
 
@@ -539,11 +543,11 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
     /* unpacking the low and high nibbles in 128-bit lanes yields columns 0-3 and 8-11, then 4-7 and 12-15 */
     const __m512i in_column_order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
     const int64_t groups = k_size / INT4_GROUP;
-    __m512 acc[INT4_ROWS];
+    __m512 acc[INTEGER_ROWS];
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[INT4_ROWS][2]; /* [row][quad % 2]: a row's next vpdpbusd need not wait on its last */
+        __m512i sums[INTEGER_ROWS][2]; /* [row][quad % 2]: a row's next vpdpbusd need not wait on its last */
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
@@ -561,12 +565,13 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
                 sums[m][quad % 2] = _mm512_dpbusd_epi32(sums[m][quad % 2], weights, _mm512_set1_epi32(four));
             }
         }
-        __m512i totals[INT4_ROWS];
+        __m512i totals[INTEGER_ROWS];
         for (int m = 0; m < rows_m; m++)
             totals[m] = _mm512_add_epi32(sums[m][0], sums[m][1]);
-        accumulate_int4_group16(acc, totals, scales, mins, g, x_scales, x_sums, groups, rows_m);
+        accumulate_integer_group16(acc, totals, scales + g * INTEGER_TILE_N, mins + g * INTEGER_TILE_N, g,
+                                   x_scales, x_sums, groups, rows_m);
     }
-    store_int4_tile16(acc, bias, y, ldy, rows_m, columns);
+    store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
 }
 #else
 /* As int4_tile, for rows of x rounded to int8 (quantize_int8, 2 · k_size bytes a row): vpmaddubsw multiplies
@@ -579,11 +584,11 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
 {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t groups = k_size / INT4_GROUP;
-    __m256 acc[INT4_ROWS][2];
+    __m256 acc[INTEGER_ROWS][2];
     for (int m = 0; m < rows_m; m++)
         acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m256i low_sums[INT4_ROWS], high_sums[INT4_ROWS];
+        __m256i low_sums[INTEGER_ROWS], high_sums[INTEGER_ROWS];
         for (int m = 0; m < rows_m; m++)
             low_sums[m] = high_sums[m] = _mm256_setzero_si256();
         for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
@@ -601,7 +606,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
                                                 _mm256_maddubs_epi16(high, _mm256_set1_epi32(pair_high)));
             }
         }
-        __m256i sums[INT4_ROWS][2];
+        __m256i sums[INTEGER_ROWS][2];
         for (int m = 0; m < rows_m; m++) {
             /* weight row r's low and high sums side by side, added in int32: rows 0-3 and 8-11, then 4-7, 12-15 */
             __m256i first = _mm256_madd_epi16(_mm256_unpacklo_epi16(low_sums[m], high_sums[m]), ones);
@@ -609,18 +614,21 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
             sums[m][0] = _mm256_permute2x128_si256(first, second, 0x20);
             sums[m][1] = _mm256_permute2x128_si256(first, second, 0x31);
         }
-        accumulate_int4_group(acc, sums, scales, mins, g, x_scales, x_sums, groups, rows_m);
+        accumulate_integer_group(acc, sums, scales + g * INTEGER_TILE_N, mins + g * INTEGER_TILE_N, g,
+                                 x_scales, x_sums, groups, rows_m);
     }
-    store_int4_tile(acc, bias, y, ldy, rows_m, columns);
+    store_integer_tile(acc, bias, y, ldy, rows_m, columns);
 }
 #endif
 
-/* Returns -2 where it cannot allocate its working memory. */
-static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8_t *w, const uint16_t *scales,
-                       const uint16_t *mins, int64_t n_size, const float *bias, float *y, int threads)
+/* Weights in integers (above): uint4 where mins is not NULL, else int8 with a scale per `group` columns. Returns -2
+ * where it cannot allocate its working memory. */
+static int integer_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales,
+                          const uint16_t *mins, int64_t group, int64_t n_size, const float *bias, float *y,
+                          int threads)
 {
-    int64_t tiles = (n_size + INT4_TILE_N - 1) / INT4_TILE_N, groups = k_size / INT4_GROUP;
-    int int8_rows = rows >= INT4_INT8_ROWS;
+    int64_t tiles = (n_size + INTEGER_TILE_N - 1) / INTEGER_TILE_N, groups = k_size / INT4_GROUP;
+    int int8_rows = mins && rows >= INT4_INT8_ROWS;
     /* a row's int16 values take 2 · k_size bytes, its int8 values no more */
     char *area = scratch(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
     if (!area)
@@ -628,7 +636,7 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
     void *xq = area;
     float *x_scales = (float *)(area + rows * k_size * sizeof(int16_t)), *x_sums = x_scales + rows * groups;
     /* a row or a few are quickly rounded by this thread alone, sparing the tiles' threads a barrier */
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > INT4_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows > INTEGER_ROWS)
     for (int64_t m = 0; m < rows; m++)
         for (int64_t g = 0; g < groups; g++) {
             int64_t at = m * k_size + g * INT4_GROUP;
@@ -641,32 +649,35 @@ static int int4_linear(const float *x, int64_t rows, int64_t k_size, const uint8
     {
         int team = omp_get_num_threads(), thread = omp_get_thread_num();
         int64_t first = tiles * thread / team, last = tiles * (thread + 1) / team;
-        for (int64_t block = 0; block < rows; block += INT4_ROW_BLOCK) {
-            int64_t block_end = block + INT4_ROW_BLOCK < rows ? block + INT4_ROW_BLOCK : rows;
+        for (int64_t block = 0; block < rows; block += INTEGER_ROW_BLOCK) {
+            int64_t block_end = block + INTEGER_ROW_BLOCK < rows ? block + INTEGER_ROW_BLOCK : rows;
             for (int64_t t = first; t < last; t++) {
-                int64_t n = t * INT4_TILE_N;
-                int columns = n_size - n < INT4_TILE_N ? (int)(n_size - n) : INT4_TILE_N;
-                const uint8_t *wt = w + n * k_size / 2;
-                const uint16_t *st = scales + n * groups, *mt = mins + n * groups;
+                int64_t n = t * INTEGER_TILE_N;
+                int columns = n_size - n < INTEGER_TILE_N ? (int)(n_size - n) : INTEGER_TILE_N;
+                const void *wt = (const char *)w + (mins ? n * k_size / 2 : n * k_size);
+                const uint16_t *st = scales + n * (k_size / group), *mt = mins ? mins + n * groups : NULL;
                 const float *bt = bias ? bias + n : 0;
-                for (int64_t m = block; m < block_end; m += INT4_ROWS) {
-#define INT4_ROWS_CASE(count)                                                                                      \
+                for (int64_t m = block; m < block_end; m += INTEGER_ROWS) {
+                    int16_t *rows16 = (int16_t *)xq + m * k_size;
+                    float *out = y + m * n_size + n;
+#define INTEGER_ROWS_CASE(count)                                                                                   \
     case count:                                                                                                    \
-        if (int8_rows)                                                                                             \
+        if (!mins)                                                                                                 \
+            int8_tile(rows16, x_scales + m * groups, k_size, wt, st, group, bt, out, n_size, count, columns);      \
+        else if (int8_rows)                                                                                        \
             int4_tile_int8_rows((int8_t *)xq + INT8_ROW_BYTES * m * k_size, x_scales + m * groups,                 \
-                                x_sums + m * groups, k_size, wt, st, mt, bt, y + m * n_size + n, n_size, count,    \
-                                columns);                                                                          \
+                                x_sums + m * groups, k_size, wt, st, mt, bt, out, n_size, count, columns);         \
         else                                                                                                       \
-            int4_tile((int16_t *)xq + m * k_size, x_scales + m * groups, x_sums + m * groups, k_size, wt, st, mt,  \
-                      bt, y + m * n_size + n, n_size, count, columns);                                             \
+            int4_tile(rows16, x_scales + m * groups, x_sums + m * groups, k_size, wt, st, mt, bt, out, n_size,     \
+                      count, columns);                                                                             \
         break;
-                    switch (block_end - m < INT4_ROWS ? block_end - m : INT4_ROWS) {
-                        INT4_ROWS_CASE(1) INT4_ROWS_CASE(2) INT4_ROWS_CASE(3) INT4_ROWS_CASE(4)
-#if INT4_ROWS == 8
-                        INT4_ROWS_CASE(5) INT4_ROWS_CASE(6) INT4_ROWS_CASE(7) INT4_ROWS_CASE(8)
+                    switch (block_end - m < INTEGER_ROWS ? block_end - m : INTEGER_ROWS) {
+                        INTEGER_ROWS_CASE(1) INTEGER_ROWS_CASE(2) INTEGER_ROWS_CASE(3) INTEGER_ROWS_CASE(4)
+#if INTEGER_ROWS == 8
+                        INTEGER_ROWS_CASE(5) INTEGER_ROWS_CASE(6) INTEGER_ROWS_CASE(7) INTEGER_ROWS_CASE(8)
 #endif
                     }
-#undef INT4_ROWS_CASE
+#undef INTEGER_ROWS_CASE
                 }
             }
         }
@@ -1516,44 +1527,29 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
 }
 #endif
 
-/* x [rows, k_size] float32 (k_size a multiple of CHUNK, and of INT8_CHUNK for int8), w packed as above from
- * [n_size, k_size] weights: float16 bits where scales is NULL, else int8 with a float16 scale per `group` columns
- * (a multiple of INT8_CHUNK dividing k_size; 0 for a whole row), laid out tile by tile as [tiles][k_size / group][TILE_N]
- * (weight w[r][c] is its int8 times the scale of row r's group c / group); bias [n_size] float32 or NULL,
- * y [rows, n_size] float32; all contiguous. */
+/* x [rows, k_size] float32, w packed as above from [n_size, k_size] weights: float16 bits where scales is NULL
+ * (k_size a multiple of CHUNK); else int8 (k_size a multiple of INT4_GROUP) with a float16 scale per `group`
+ * columns (a multiple of INT4_GROUP dividing k_size; 0 for a whole row), or uint4 with mins, in the layouts of
+ * integer_linear (of amx_linear for int8 in the AMX build); bias [n_size] float32 or NULL, y [rows, n_size]
+ * float32; all contiguous. Returns -2 where it cannot allocate its working memory. */
 int tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales,
                   const uint16_t *mins, int64_t group, int64_t n_size, const float *bias, float *y, int threads)
 {
-    int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
     if (rows == 0)
         return 0;
-    if (mins)
-        return int4_linear(x, rows, k_size, w, scales, mins, n_size, bias, y, threads);
 #ifdef __AMX_BF16__
-    if (scales) {
+    if (scales && !mins) {
         amx_linear(x, rows, k_size, w, scales, n_size, bias, y, threads);
         return 0;
     }
 #endif
-    if (scales) {
-        group = group ? group : k_size;
-        if (rows == 1) {
-            int16_t xq[k_size];
-            float x_scales[k_size / group];
-            quantize_row(x, k_size, group, xq, x_scales);
+    if (scales)
+        return integer_linear(x, rows, k_size, w, scales, mins, mins ? INT4_GROUP : group ? group : k_size, n_size,
+                              bias, y, threads);
+    int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
 #pragma omp parallel for schedule(static) num_threads(threads)
-            for (int64_t t = 0; t < tiles; t++)
-                one_row_tile(xq, x_scales, k_size, w, scales, group, n_size, bias, y, t);
-            return 0;
-        }
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t t = 0; t < tiles; t++)
-            tile_all_rows(x, rows, k_size, w, 1, scales, group, n_size, bias, y, t);
-    } else {
-#pragma omp parallel for schedule(static) num_threads(threads)
-        for (int64_t t = 0; t < tiles; t++)
-            tile_all_rows(x, rows, k_size, w, 0, 0, k_size, n_size, bias, y, t);
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        tile_all_rows(x, rows, k_size, w, n_size, bias, y, t);
     return 0;
 }
 

@@ -2,11 +2,11 @@
 
 - ``linear``: rows times a float16 weight (half the bytes of a float32 weight), an int8 weight with a
   scale per group of ``INT8_GROUP`` columns (a quarter, plus the scales), or a uint4 weight with a step and a
-  minimum per group of ``UINT4_GROUP`` columns (an eighth, plus those), packed by ``pack``; float16 and int8
-  steps of several rows in float32 arithmetic, one int8 row and every uint4 row rounded to int16 and multiplied
+  minimum per group of ``UINT4_GROUP`` columns (an eighth, plus those), packed by ``pack``; float16 rows in
+  float32 arithmetic, int8 and uint4 rows rounded to int16 in each ``INTEGER_ROW_GROUP`` columns and multiplied
   in integers (the rows of uint4 steps of ``uint4_int8_rows`` or more, prompt chunks and the decodes beside
-  them, rounded to int8); in the AMX build, int8 steps of ``amx_min_rows`` rows or more multiply in AMX tiles,
-  in bfloat16 with float32 sums;
+  them, rounded to int8); in the AMX build, int8 weights in a layout of their own, in float32 arithmetic, and
+  steps of ``amx_min_rows`` rows or more in AMX tiles, in bfloat16 with float32 sums;
 - ``linear_bfloat16`` (the AMX build): bfloat16 rows times a bfloat16 weight packed by ``pack_bfloat16``, in
   AMX tiles with float32 sums, for steps of many rows; for a gate and up projection, silu(gate) ⊙ up of the sums;
 - ``decode_attention``: one query per sequence against its context, read in place from the paged cache;
@@ -55,6 +55,9 @@ CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # per 64 columns passes with less margin; `make bench-weights` times all three alike.
 INT8_GROUP = 32
 UINT4_GROUP = 32  # columns of a row that share a uint4 step and minimum (Q4_1's groups)
+# Columns of a row of x the kernels round to integers with one scale (INT4_GROUP in cpu_kernels.c; the AMX
+# layout's depth too): an int8 weight's rows and scale groups are a multiple of it.
+INTEGER_ROW_GROUP = 32
 UINT4_SAMPLE_GROUPS = 4096  # groups of a weight checked first, so that one off the grid (an int8 head) fails fast
 # Builds of the same source, widest first: each needs these CPU flags beyond CPU_FLAGS, and compiles with
 # these flags beyond FLAGS.
@@ -76,11 +79,10 @@ class CpuKernels:
         self._linear = c.tandem_linear
         self._linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int]
         self._linear.restype = ctypes.c_int
-        self.tile_rows = c.tandem_linear_tile_rows()
-        self.uint4_tile_rows = c.tandem_linear_int4_tile_rows()
+        self.tile_rows = c.tandem_linear_tile_rows()  # float16 weight rows a tile
+        self.integer_tile_rows = c.tandem_linear_integer_tile_rows()  # the same for int8 and uint4 weights
         self.uint4_int8_rows = c.tandem_linear_int4_int8_rows()
-        self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed weights' chunk width
-        self.int8_chunk = c.tandem_linear_int8_chunk()  # the same for int8 weights
+        self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed float16 weights' chunk width
         # weight rows per block of the AMX build's int8 and bfloat16 layout (0: no AMX build; int8 is tiled as
         # float16 is), and the fewest rows it multiplies int8 weights by in AMX tiles, in bfloat16 (0: none; fewer
         # rows stay float32)
@@ -126,9 +128,9 @@ class CpuKernels:
             function.restype = ctypes.c_int
 
     def pack(self, weight: torch.Tensor, dtype: torch.dtype, group: int | None = INT8_GROUP) -> "PackedWeight":
-        """``weight`` [n, k] (k a multiple of ``chunk``) in the tiled layout ``linear`` reads, as float16,
-        as int8 with each ``group`` columns of a row (None: the whole row) scaled to ±127 (round to
-        nearest), or as uint4 (``_pack_uint4``)."""
+        """``weight`` [n, k] in the tiled layout ``linear`` reads: as float16 (k a multiple of ``chunk``), as int8
+        with each ``group`` columns of a row (None: the whole row) scaled to ±127 (round to nearest), or as uint4
+        (``_pack_uint4``)."""
         rows, width = weight.shape
         if dtype not in (torch.float16, torch.int8, torch.uint4):
             raise ValueError(f"pack makes float16, int8 or uint4 weights, not {dtype}")
@@ -138,33 +140,35 @@ class CpuKernels:
                              f"{step} that divides them; got rows {width} wide, groups of {group}")
         if dtype == torch.uint4:
             return self._pack_uint4(weight)
-        if dtype == torch.int8 and self.amx_block_rows:
-            return self._pack_int8_blocks(weight, group)
-        padded_rows = -(-rows // self.tile_rows) * self.tile_rows
-        scales = None
         if dtype == torch.int8:
-            groups = width // (group or width)
-            quantized, group_scales = _quantize_int8(weight.float().view(rows, groups, width // groups))
-            weight = quantized.view(rows, width)
-            scales = torch.zeros(padded_rows, groups, dtype=torch.float16)
-            scales[:rows] = group_scales
-            scales = scales.view(-1, self.tile_rows, groups).transpose(1, 2).contiguous()
-        else:
-            group = None
-        padded = torch.zeros(padded_rows, width, dtype=dtype)
+            return self._pack_int8_blocks(weight, group) if self.amx_block_rows else self._pack_int8(weight, group)
+        padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width, dtype=torch.float16)
         padded[:rows] = weight
-        chunk = self._step(dtype)
-        data = padded.view(-1, self.tile_rows, width // chunk, chunk).transpose(1, 2).contiguous()
-        return PackedWeight(data, scales, rows, width, group)
+        data = padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
+        return PackedWeight(data, None, rows, width)
+
+    def _pack_int8(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
+        """Laid out as ``integer_linear`` in cpu_kernels.c reads int8 weights: per tile of ``integer_tile_rows``
+        rows, 2 bytes per row and 2 columns, [tiles, width / 2, rows of the tile, 2]; the scales per tile, group
+        and row."""
+        rows, width = weight.shape
+        tile = self.integer_tile_rows
+        padded = torch.zeros(-(-rows // tile) * tile, width)
+        padded[:rows] = weight.float()
+        groups = width // (group or width)
+        quantized, scales = _quantize_int8(padded.view(len(padded), groups, width // groups))
+        tiles = len(padded) // tile
+        data = quantized.view(tiles, tile, width // 2, 2).transpose(1, 2).contiguous()
+        return PackedWeight(data, _per_tile(scales, tile), rows, width, group)
 
     def _pack_uint4(self, weight: torch.Tensor) -> "PackedWeight":
         """Each ``UINT4_GROUP`` columns of a row as 16 levels from its minimum to its maximum (round to nearest),
         its float16 step and minimum kept: llama.cpp's Q4_1 grid, exact for a weight that lies on one. Laid out
-        as ``int4_linear`` in cpu_kernels.c reads it: per tile of ``uint4_tile_rows`` rows, 16 bytes per 4 columns
-        and 8 rows, byte j holding row j // 2's columns j % 2 (low nibble) and 2 + j % 2 (high nibble); the steps
-        and the minimums per tile, group and row."""
+        as ``integer_linear`` in cpu_kernels.c reads it: per tile of ``integer_tile_rows`` rows, 16 bytes per 4
+        columns and 8 rows, byte j holding row j // 2's columns j % 2 (low nibble) and 2 + j % 2 (high nibble);
+        the steps and the minimums per tile, group and row."""
         rows, width = weight.shape
-        tile = self.uint4_tile_rows
+        tile = self.integer_tile_rows
         padded = torch.zeros(-(-rows // tile) * tile, width)
         padded[:rows] = weight.float()
         levels, scales, minimums = _quantize_uint4(padded.view(len(padded), width // UINT4_GROUP, UINT4_GROUP))
@@ -172,11 +176,8 @@ class CpuKernels:
         # [tiles, vectors, rows of a vector, fours of columns, low or high nibble, column of a pair]
         nibbles = levels.view(tiles, 2, tile // 2, width // 4, 2, 2)
         data = (nibbles[:, :, :, :, 0] | nibbles[:, :, :, :, 1] << 4).permute(0, 3, 1, 2, 4).contiguous()
-
-        def per_group(values: torch.Tensor) -> torch.Tensor:
-            return values.view(tiles, tile, -1).transpose(1, 2).contiguous()
-
-        return PackedWeight(data, per_group(scales), rows, width, UINT4_GROUP, minimums=per_group(minimums))
+        return PackedWeight(data, _per_tile(scales, tile), rows, width, UINT4_GROUP,
+                            minimums=_per_tile(minimums, tile))
 
     def _pack_int8_blocks(self, weight: torch.Tensor, group: int | None) -> "PackedWeight":
         """The AMX build's int8 layout (``_amx_blocks``), and a scale per row and 32 columns."""
@@ -265,9 +266,7 @@ class CpuKernels:
         groups are a multiple of it (uint4: a scale group)."""
         if dtype == torch.uint4:
             return UINT4_GROUP
-        if dtype != torch.int8:
-            return self.chunk
-        return 32 if self.amx_block_rows else self.int8_chunk
+        return INTEGER_ROW_GROUP if dtype == torch.int8 else self.chunk
 
     def linear(self, x: torch.Tensor, weight: "PackedWeight", bias: torch.Tensor | None) -> torch.Tensor:
         """``x · weightᵀ + bias`` for float32 rows ``x`` [rows, k] and ``weight`` from ``pack``."""
@@ -572,6 +571,11 @@ def _quantize_int8(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (grouped.abs().amax(dim=-1) / 127).half()
     quantized = torch.round(grouped / scales.float()[..., None].clamp_min(torch.finfo(torch.float32).tiny))
     return quantized.clamp(-127, 127).to(torch.int8), scales
+
+
+def _per_tile(values: torch.Tensor, tile: int) -> torch.Tensor:
+    """Per-row, per-group ``values`` [rows, groups] (rows a multiple of ``tile``) as [tiles, groups, tile]."""
+    return values.view(-1, tile, values.shape[1]).transpose(1, 2).contiguous()
 
 
 def _quantize_uint4(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
