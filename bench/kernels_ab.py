@@ -1,6 +1,7 @@
 """Two builds of the CPU kernels side by side: this tree's cpu_kernels.c against the one at a git
-revision, both in the widest instruction set this CPU runs, loaded into one process and timed in turns,
-so that a change to the kernels is measured against the code before it under the same load.
+revision, both in the widest instruction set this CPU runs, each with the cpu_kernels.py of its tree (which packs
+the weights in its layout), loaded into one process and timed in turns, so that a change to the kernels is
+measured against the code before it under the same load.
 
 Timed: every linear layer of the default model's shape (30 layers and the output head, each with its
 own weights) at 1 and 8 rows, in float16, int8 and uint4 (the default's decode weights on the default model's
@@ -16,9 +17,11 @@ Writes bench/results/kernels-ab.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,17 +34,28 @@ from weights import HEAD, LAYER
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SOURCE = "tandem/engine/model/cpu_kernels.c"
+MODULE = "tandem/engine/model/cpu_kernels.py"
 LAYERS, BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 PROMPT_ROWS = 512
 FORMATS = {torch.float16: "float16", torch.int8: "int8", torch.uint4: "uint4"}
 
 
-def build(source_text: str, isa: str, directory: Path, name: str) -> CpuKernels:
-    source = directory / f"{name}.c"
-    source.write_text(source_text)
+def build(revision: str | None, isa: str, directory: Path, name: str) -> CpuKernels:
+    """The kernels of ``revision`` (None: this tree), built into ``directory`` and loaded through that revision's
+    cpu_kernels.py."""
+    module_path, source = directory / f"{name}_cpu_kernels.py", directory / f"{name}.c"
+    for path, tracked in ((module_path, MODULE), (source, SOURCE)):
+        path.write_text(Path(tracked).read_text() if revision is None else git_show(revision, tracked))
+    spec = importlib.util.spec_from_file_location(f"{name}_cpu_kernels", module_path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # where its dataclasses look it up
+    spec.loader.exec_module(module)
     library = directory / f"{name}.so"
-    subprocess.run(["cc", *cpu_kernels._flags(isa), str(source), "-o", str(library)], check=True)
-    return CpuKernels(library, isa)
+    subprocess.run(["cc", *module._flags(isa), str(source), "-o", str(library)], check=True)
+    return module.CpuKernels(library, isa)
+
+
+def git_show(revision: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True, check=True).stdout
 
 
 def block_tables(batch: int) -> BlockTables:
@@ -58,17 +72,15 @@ def block_tables(batch: int) -> BlockTables:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="HEAD~1", help="git revision of the baseline cpu_kernels.c")
+    parser.add_argument("--baseline", default="HEAD~1", help="git revision of the baseline cpu_kernels.c and .py")
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isa = cpu_kernels.usable_isas()[0]
-    baseline_text = subprocess.run(["git", "show", f"{args.baseline}:{SOURCE}"], capture_output=True, text=True,
-                                   check=True).stdout
     with tempfile.TemporaryDirectory() as scratch:
-        builds = {"baseline": build(baseline_text, isa, Path(scratch), "baseline"),
-                  "current": build(Path(SOURCE).read_text(), isa, Path(scratch), "current")}
+        builds = {"baseline": build(args.baseline, isa, Path(scratch), "baseline"),
+                  "current": build(None, isa, Path(scratch), "current")}
         weights = [torch.randn(out, width) * 0.02 for _ in range(LAYERS) for out, width in LAYER]
         weights.append(torch.randn(*HEAD) * 0.02)
         packed = {(name, dtype): [kernels.pack(w, dtype) for w in weights]

@@ -118,7 +118,7 @@ def test_the_default_passes_the_gate_in_prefill_chunks(measured):
 @pytest.mark.parametrize("decode_weights", ["int8", "auto"])
 def test_integer_decode_weights_pass_the_gate_in_steps_of_many_rows(measured, decode_weights):
     """Steps of ``SMALL_STEP`` rows take the path such a step takes here: where ``decode_rows`` reaches them,
-    the decode copy (int8 in the AMX build multiplied in bfloat16 tiles; uint4 in int16 rows) with each token
+    the decode copy (int8 and uint4 in int16 rows; int8 in the AMX build in bfloat16 tiles) with each token
     attended as a decode, else the batched weights and a prefill chunk's attention."""
     results, targets = measured
     quality = Quality.of(results["float32"][0], results[decode_weights][3], targets)
