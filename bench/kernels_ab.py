@@ -1,7 +1,7 @@
 """Two builds of the CPU kernels side by side: this tree's cpu_kernels.c against the one at a git
-revision, both in the widest instruction set this CPU runs, each with the cpu_kernels.py of its tree (which packs
-the weights in its layout), loaded into one process and timed in turns, so that a change to the kernels is
-measured against the code before it under the same load.
+revision, both in one instruction set (the widest this CPU runs, or --isa), each with the cpu_kernels.py of its
+tree (which packs the weights in its layout), loaded into one process and timed in turns, so that a change to the
+kernels is measured against the code before it under the same load.
 
 Timed: every linear layer of the default model's shape (30 layers and the output head, each with its
 own weights) at 1 and 8 rows, in float16, int8 and uint4 (the default's decode weights on the default model's
@@ -75,9 +75,10 @@ def main() -> None:
     parser.add_argument("--baseline", default="HEAD~1", help="git revision of the baseline cpu_kernels.c and .py")
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--isa", choices=cpu_kernels.usable_isas(), help="the build to time (default: the widest)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    isa = cpu_kernels.usable_isas()[0]
+    isa = args.isa or cpu_kernels.usable_isas()[0]
     with tempfile.TemporaryDirectory() as scratch:
         builds = {"baseline": build(args.baseline, isa, Path(scratch), "baseline"),
                   "current": build(None, isa, Path(scratch), "current")}
