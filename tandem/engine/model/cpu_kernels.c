@@ -329,93 +329,67 @@ static inline __attribute__((always_inline)) void store_integer_tile16(const __m
     }
 }
 
-/* vpdpwssd multiplies and adds in one instruction what vpmaddwd and vpaddd take two for, but its sum waits on the
- * vpdpwssd before it. So in passes of up to 4 rows each row's products go to four sums, by nibble and by the parity
- * of the quad: a step of one row is bound by vpdpwssd's throughput, not by its latency. More rows' sums are enough
- * to wait on apart. */
-static inline __attribute__((always_inline)) void int4_tile(
-    const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
-    const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
+/* Each 32 bytes of a tile's weights are widened to int16 vectors that pair with pairs of a row's int16 values: for
+ * uint4 weights (`uint4`, a constant at every call site) two, the low nibbles and then the high ones (4 columns of
+ * x), for int8 weights one (2 columns).
+ * vpdpwssd multiplies and adds in one instruction what vpmaddwd and vpaddd take two for, but its sum waits on the
+ * vpdpwssd before it. So each row's products go to four sums in passes of up to 4 rows, to two in passes of more, by
+ * the place of the pair of columns: a step of one row is bound by vpdpwssd's throughput, not by its latency. */
+static inline __attribute__((always_inline)) void integer_tile(
+    const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w, int uint4,
+    const uint16_t *scales, int64_t group, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m,
+    int columns)
 {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
     const int64_t groups = k_size / INT4_GROUP;
+    const int vectors = uint4 ? 2 : 1, chains = rows_m > 4 ? 2 : 4;
     __m512 acc[INTEGER_ROWS];
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
-    const int parities = rows_m > 4 ? 1 : 2;
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i sums[INTEGER_ROWS][4]; /* [row][2 · (quad % parities) + nibble] */
-        for (int m = 0; m < rows_m; m++)
-            sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
-#pragma GCC unroll 8 /* so that every sum is a register */
-        for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
-            if (quad % 2 == 0)
-                _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m512i weights = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
-            __m512i low = _mm512_and_si512(weights, nibble), high = _mm512_srli_epi16(weights, 4);
-            for (int m = 0; m < rows_m; m++) {
-                const int16_t *xm = xq + m * k_size + g * INT4_GROUP + quad * 4;
-                int32_t pair_low, pair_high;
-                memcpy(&pair_low, xm, 4);
-                memcpy(&pair_high, xm + 2, 4);
-                __m512i *parity = sums[m] + 2 * (quad % parities);
-                parity[0] = _mm512_dpwssd_epi32(parity[0], low, _mm512_set1_epi32(pair_low));
-                parity[1] = _mm512_dpwssd_epi32(parity[1], high, _mm512_set1_epi32(pair_high));
-            }
-        }
-        __m512i totals[INTEGER_ROWS];
-        for (int m = 0; m < rows_m; m++)
-            totals[m] = _mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
-                                         _mm512_add_epi32(sums[m][2], sums[m][3]));
-        accumulate_integer_group16(acc, totals, scales + g * INTEGER_TILE_N, mins + g * INTEGER_TILE_N, g,
-                                   x_scales, x_sums, groups, rows_m);
-    }
-    store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
-}
-
-/* As int4_tile, for int8 weights: a pair's 32 bytes widened to int16, one vpdpwssd per row. A row's products go to
- * up to four sums by the pair's place, so that a step of one row is bound by vpdpwssd's throughput, not by its
- * latency. */
-static inline __attribute__((always_inline)) void int8_tile(
-    const int16_t *xq, const float *x_scales, int64_t k_size, const int8_t *w, const uint16_t *scales, int64_t group,
-    const float *bias, float *y, int64_t ldy, int rows_m, int columns)
-{
-    const int64_t groups = k_size / INT4_GROUP;
-    __m512 acc[INTEGER_ROWS];
-    for (int m = 0; m < rows_m; m++)
-        acc[m] = _mm512_setzero_ps();
-    const int chains = rows_m > 4 ? 1 : rows_m > 1 ? 2 : 4;
     for (int64_t g = 0; g < groups; g++) {
         __m512i sums[INTEGER_ROWS][4]; /* [row][pair % chains] */
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
 #pragma GCC unroll 16 /* so that every sum is a register */
-        for (int pair = 0; pair < INT4_GROUP / 2; pair++, w += 32) {
-            if (pair % 2 == 0)
+        for (int step = 0; step < INT4_GROUP / (2 * vectors); step++, w += 32) {
+            if (step % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m512i weights = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
-            for (int m = 0; m < rows_m; m++) {
-                int32_t two;
-                memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * pair, 4);
-                sums[m][pair % chains] = _mm512_dpwssd_epi32(sums[m][pair % chains], weights, _mm512_set1_epi32(two));
+            __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
+            __m512i weights[2];
+            if (uint4) {
+                __m512i both = _mm512_cvtepu8_epi16(bytes);
+                weights[0] = _mm512_and_si512(both, nibble);
+                weights[1] = _mm512_srli_epi16(both, 4);
+            } else {
+                weights[0] = _mm512_cvtepi8_epi16(bytes);
             }
+            for (int m = 0; m < rows_m; m++)
+                for (int v = 0; v < vectors; v++) {
+                    int pair = step * vectors + v;
+                    int32_t two;
+                    memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * pair, 4);
+                    __m512i *sum = &sums[m][pair % chains];
+                    *sum = _mm512_dpwssd_epi32(*sum, weights[v], _mm512_set1_epi32(two));
+                }
         }
         __m512i totals[INTEGER_ROWS];
         for (int m = 0; m < rows_m; m++)
             totals[m] = _mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
                                          _mm512_add_epi32(sums[m][2], sums[m][3]));
-        accumulate_integer_group16(acc, totals, scales + g * INT4_GROUP / group * INTEGER_TILE_N, NULL, g, x_scales,
-                                   NULL, groups, rows_m);
+        accumulate_integer_group16(acc, totals, scales + g * INT4_GROUP / group * INTEGER_TILE_N,
+                                   uint4 ? mins + g * INTEGER_TILE_N : NULL, g, x_scales, x_sums, groups, rows_m);
     }
     store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
 }
 #else
-static inline __attribute__((always_inline)) void int4_tile(
-    const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w,
-    const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
+static inline __attribute__((always_inline)) void integer_tile(
+    const int16_t *xq, const float *x_scales, const float *x_sums, int64_t k_size, const uint8_t *w, int uint4,
+    const uint16_t *scales, int64_t group, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m,
+    int columns)
 {
     const __m256i nibble = _mm256_set1_epi16(0x0F);
     const int64_t groups = k_size / INT4_GROUP;
+    const int vectors = uint4 ? 2 : 1;
     __m256 acc[INTEGER_ROWS][2];
     for (int m = 0; m < rows_m; m++)
         acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -423,58 +397,31 @@ static inline __attribute__((always_inline)) void int4_tile(
         __m256i sums[INTEGER_ROWS][2];
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = _mm256_setzero_si256();
-        for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
-            if (quad % 2 == 0)
+        for (int step = 0; step < INT4_GROUP / (2 * vectors); step++, w += 32) {
+            if (step % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m256i first = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
-            __m256i second = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
-            __m256i low[2] = {_mm256_and_si256(first, nibble), _mm256_and_si256(second, nibble)};
-            __m256i high[2] = {_mm256_srli_epi16(first, 4), _mm256_srli_epi16(second, 4)};
-            for (int m = 0; m < rows_m; m++) {
-                const int16_t *xm = xq + m * k_size + g * INT4_GROUP + quad * 4;
-                int32_t pair_low, pair_high;
-                memcpy(&pair_low, xm, 4);
-                memcpy(&pair_high, xm + 2, 4);
-                __m256i x_low = _mm256_set1_epi32(pair_low), x_high = _mm256_set1_epi32(pair_high);
-                for (int v = 0; v < 2; v++) {
-                    sums[m][v] = _mm256_add_epi32(sums[m][v], _mm256_madd_epi16(low[v], x_low));
-                    sums[m][v] = _mm256_add_epi32(sums[m][v], _mm256_madd_epi16(high[v], x_high));
+            __m256i weights[2][2]; /* [vector][output columns 0-7, 8-15] */
+            for (int half = 0; half < 2; half++) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(w + 16 * half));
+                if (uint4) {
+                    __m256i both = _mm256_cvtepu8_epi16(bytes);
+                    weights[0][half] = _mm256_and_si256(both, nibble);
+                    weights[1][half] = _mm256_srli_epi16(both, 4);
+                } else {
+                    weights[0][half] = _mm256_cvtepi8_epi16(bytes);
                 }
             }
+            for (int m = 0; m < rows_m; m++)
+                for (int v = 0; v < vectors; v++) {
+                    int32_t two;
+                    memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * (step * vectors + v), 4);
+                    __m256i x_pair = _mm256_set1_epi32(two);
+                    for (int half = 0; half < 2; half++)
+                        sums[m][half] = _mm256_add_epi32(sums[m][half], _mm256_madd_epi16(weights[v][half], x_pair));
+                }
         }
-        accumulate_integer_group(acc, sums, scales + g * INTEGER_TILE_N, mins + g * INTEGER_TILE_N, g,
-                                 x_scales, x_sums, groups, rows_m);
-    }
-    store_integer_tile(acc, bias, y, ldy, rows_m, columns);
-}
-
-static inline __attribute__((always_inline)) void int8_tile(
-    const int16_t *xq, const float *x_scales, int64_t k_size, const int8_t *w, const uint16_t *scales, int64_t group,
-    const float *bias, float *y, int64_t ldy, int rows_m, int columns)
-{
-    const int64_t groups = k_size / INT4_GROUP;
-    __m256 acc[INTEGER_ROWS][2];
-    for (int m = 0; m < rows_m; m++)
-        acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256i sums[INTEGER_ROWS][2];
-        for (int m = 0; m < rows_m; m++)
-            sums[m][0] = sums[m][1] = _mm256_setzero_si256();
-        for (int pair = 0; pair < INT4_GROUP / 2; pair++, w += 32) {
-            if (pair % 2 == 0)
-                _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
-            __m256i weights[2] = {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)),
-                                  _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)))};
-            for (int m = 0; m < rows_m; m++) {
-                int32_t two;
-                memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * pair, 4);
-                __m256i x_pair = _mm256_set1_epi32(two);
-                for (int v = 0; v < 2; v++)
-                    sums[m][v] = _mm256_add_epi32(sums[m][v], _mm256_madd_epi16(weights[v], x_pair));
-            }
-        }
-        accumulate_integer_group(acc, sums, scales + g * INT4_GROUP / group * INTEGER_TILE_N, NULL, g, x_scales, NULL,
-                                 groups, rows_m);
+        accumulate_integer_group(acc, sums, scales + g * INT4_GROUP / group * INTEGER_TILE_N,
+                                 uint4 ? mins + g * INTEGER_TILE_N : NULL, g, x_scales, x_sums, groups, rows_m);
     }
     store_integer_tile(acc, bias, y, ldy, rows_m, columns);
 }
@@ -531,7 +478,7 @@ static inline float quantize_int8(const float *x, int8_t *q, float *sum)
     return largest / 127.0f;
 }
 
-/* As int4_tile, for rows of x rounded to int8 (quantize_int8, k_size bytes a row): vpdpbusd multiplies four of a
+/* As integer_tile for uint4 weights, for rows of x rounded to int8 (quantize_int8, k_size bytes a row): vpdpbusd multiplies four of a
  * weight row's nibbles, widened to bytes, by four of x's bytes and adds the four products to the row's int32 sum.
  * A quad's nibbles are put in that order once for all the rows: the low nibbles of bytes 2c and 2c + 1 (x's
  * columns 4i and 4i + 1) and their high nibbles (4i + 2, 4i + 3) side by side, output column c's four bytes. */
@@ -574,7 +521,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
     store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
 }
 #else
-/* As int4_tile, for rows of x rounded to int8 (quantize_int8, 2 · k_size bytes a row): vpmaddubsw multiplies
+/* As integer_tile for uint4 weights, for rows of x rounded to int8 (quantize_int8, 2 · k_size bytes a row): vpmaddubsw multiplies
  * a vector's 32 nibbles, widened to bytes, by a broadcast pair of x's bytes and sums each weight row's two products
  * into int16, twice the pairs a vpmaddwd multiplies. A group's sums stay in int16 (8 of 2 · 15 · 127 a lane for
  * each of the low and the high nibbles) until they are added in int32 once a group. */
@@ -662,14 +609,15 @@ static int integer_linear(const float *x, int64_t rows, int64_t k_size, const vo
                     float *out = y + m * n_size + n;
 #define INTEGER_ROWS_CASE(count)                                                                                   \
     case count:                                                                                                    \
-        if (!mins)                                                                                                 \
-            int8_tile(rows16, x_scales + m * groups, k_size, wt, st, group, bt, out, n_size, count, columns);      \
-        else if (int8_rows)                                                                                        \
+        if (int8_rows)                                                                                             \
             int4_tile_int8_rows((int8_t *)xq + INT8_ROW_BYTES * m * k_size, x_scales + m * groups,                 \
                                 x_sums + m * groups, k_size, wt, st, mt, bt, out, n_size, count, columns);         \
+        else if (mins)                                                                                             \
+            integer_tile(rows16, x_scales + m * groups, x_sums + m * groups, k_size, wt, 1, st, INT4_GROUP, mt,    \
+                         bt, out, n_size, count, columns);                                                         \
         else                                                                                                       \
-            int4_tile(rows16, x_scales + m * groups, x_sums + m * groups, k_size, wt, st, mt, bt, out, n_size,     \
-                      count, columns);                                                                             \
+            integer_tile(rows16, x_scales + m * groups, NULL, k_size, wt, 0, st, group, NULL, bt, out, n_size,     \
+                         count, columns);                                                                          \
         break;
                     switch (block_end - m < INTEGER_ROWS ? block_end - m : INTEGER_ROWS) {
                         INTEGER_ROWS_CASE(1) INTEGER_ROWS_CASE(2) INTEGER_ROWS_CASE(3) INTEGER_ROWS_CASE(4)
