@@ -84,7 +84,7 @@ class CpuKernels:
         self.uint4_int8_rows = c.tandem_linear_int4_int8_rows()
         self.chunk = c.tandem_linear_chunk()  # floats per vector: the packed float16 weights' chunk width
         # weight rows per block of the AMX build's int8 and bfloat16 layout (0: no AMX build; int8 is tiled as
-        # float16 is), and the fewest rows it multiplies int8 weights by in AMX tiles, in bfloat16 (0: none; fewer
+        # uint4 is), and the fewest rows it multiplies int8 weights by in AMX tiles, in bfloat16 (0: none; fewer
         # rows stay float32)
         self.amx_block_rows = c.tandem_linear_amx_block_rows()
         self.amx_min_rows = c.tandem_linear_amx_min_rows()
@@ -142,8 +142,7 @@ class CpuKernels:
             return self._pack_uint4(weight)
         if dtype == torch.int8:
             return self._pack_int8_blocks(weight, group) if self.amx_block_rows else self._pack_int8(weight, group)
-        padded = torch.zeros(-(-rows // self.tile_rows) * self.tile_rows, width, dtype=torch.float16)
-        padded[:rows] = weight
+        padded = _padded_rows(weight.half(), self.tile_rows)
         data = padded.view(-1, self.tile_rows, width // self.chunk, self.chunk).transpose(1, 2).contiguous()
         return PackedWeight(data, None, rows, width)
 
@@ -153,8 +152,7 @@ class CpuKernels:
         and row."""
         rows, width = weight.shape
         tile = self.integer_tile_rows
-        padded = torch.zeros(-(-rows // tile) * tile, width)
-        padded[:rows] = weight.float()
+        padded = _padded_rows(weight.float(), tile)
         groups = width // (group or width)
         quantized, scales = _quantize_int8(padded.view(len(padded), groups, width // groups))
         tiles = len(padded) // tile
@@ -169,8 +167,7 @@ class CpuKernels:
         the steps and the minimums per tile, group and row."""
         rows, width = weight.shape
         tile = self.integer_tile_rows
-        padded = torch.zeros(-(-rows // tile) * tile, width)
-        padded[:rows] = weight.float()
+        padded = _padded_rows(weight.float(), tile)
         levels, scales, minimums = _quantize_uint4(padded.view(len(padded), width // UINT4_GROUP, UINT4_GROUP))
         tiles = len(padded) // tile
         # [tiles, vectors, rows of a vector, fours of columns, low or high nibble, column of a pair]
@@ -192,10 +189,7 @@ class CpuKernels:
 
     def _amx_padded(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` with rows of zeros up to a whole number of the AMX layout's blocks."""
-        rows, width = weight.shape
-        padded = torch.zeros(-(-rows // self.amx_block_rows) * self.amx_block_rows, width, dtype=weight.dtype)
-        padded[:rows] = weight
-        return padded
+        return _padded_rows(weight, self.amx_block_rows)
 
     def _amx_blocks(self, padded: torch.Tensor) -> torch.Tensor:
         """The AMX build's weight layout (see ``amx_linear`` in cpu_kernels.c): blocks of ``amx_block_rows``
@@ -571,6 +565,13 @@ def _quantize_int8(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (grouped.abs().amax(dim=-1) / 127).half()
     quantized = torch.round(grouped / scales.float()[..., None].clamp_min(torch.finfo(torch.float32).tiny))
     return quantized.clamp(-127, 127).to(torch.int8), scales
+
+
+def _padded_rows(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``weight`` [rows, width] with rows of zeros up to a multiple of ``multiple`` rows."""
+    padded = torch.zeros(-(-len(weight) // multiple) * multiple, weight.shape[1], dtype=weight.dtype)
+    padded[:len(weight)] = weight
+    return padded
 
 
 def _per_tile(values: torch.Tensor, tile: int) -> torch.Tensor:
