@@ -129,7 +129,7 @@ def unpacked(packed):
     (dtype, group, *shape)
     for dtype, group in [(torch.float16, None), (torch.int8, None), (torch.int8, 32), (torch.int8, 64)]
     for shape in [(1, 16, 1), (1, 576, 7), (1, 1536, 64), (1, 2176, 5), (2, 32, 3), (5, 576, 7), (9, 1536, 64),
-                  (20, 576, 40), (49, 64, 33), (70, 96, 17)]
+                  (20, 576, 40), (49, 64, 33), (70, 96, 17), (133, 96, 17)]
     if group is None or shape[1] % group == 0])
 def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, group, rows, width, outputs):
     """In float32, but for int8 weights: in the AMX build, steps of ``amx_min_rows`` rows or more multiply the
@@ -163,7 +163,8 @@ def test_linear_computes_every_tile_and_remainder_in_float32(kernels, dtype, gro
 @pytest.mark.parametrize("width, outputs", [(32, 1), (64, 17), (96, 5), (576, 40), (1536, 9)])
 def test_uint4_keeps_a_weight_on_its_grid_exactly_and_multiplies_rows_rounded_in_each_group(kernels, rows, width,
                                                                                             outputs):
-    """Rows in and beyond the kernel's passes of 4 and its blocks of 64; outputs in and beyond its tiles of 16.
+    """Rows in and beyond the kernel's passes of 4 and its blocks of 64, and a prompt chunk's rows, which the threads
+    split (an odd number of them too); outputs in and beyond its tiles of 16.
     Each row is rounded in each group of 32 columns, to int16 (the groups' minimums multiply its exact sums) or, in
     steps of ``uint4_int8_rows`` rows or more, to int8 (the minimums multiply the rounded row's sums)."""
     assert kernels.uint4_int8_rows == 128

@@ -237,7 +237,7 @@ static void *scratch(size_t bytes)
  *   [tiles][k_size / 4][2][16 bytes], byte j of a vector holding output column j / 2's weights at columns
  *   4i + j % 2 (its low nibble) and 4i + 2 + j % 2 (its high nibble). Widened to int16 and split into nibbles, a
  *   vector pairs with a broadcast pair of x's int16 values: 8 output columns' sums of two products each. Steps of
- *   INT4_INT8_ROWS rows or more (prompt chunks) round x to int8 for vpmaddubsw (vpdpbusd), twice as many pairs
+ *   PROMPT_CHUNK_ROWS rows or more (prompt chunks) round x to int8 for vpmaddubsw (vpdpbusd), twice as many pairs
  *   again.
  * - int8 weights (tandem_linear with `scales` alone): a float16 scale per `group` columns (a multiple of
  *   INT4_GROUP). 32 bytes per 2 columns of x, [tiles][k_size / 2][INTEGER_TILE_N][2]: widened to int16, a vector
@@ -252,9 +252,10 @@ static void *scratch(size_t bytes)
 #define INTEGER_ROWS 4
 #endif
 #define INTEGER_ROW_BLOCK 64 /* rows whose int16 values stay in L2 while a thread's tiles pass over them */
-/* Steps of at least this many rows (prompt chunks, with any decodes beside them; the decode crossover times steps
- * of up to 64) round x to int8, not int16, for vpmaddubsw (int4_tile_int8_rows). */
-#define INT4_INT8_ROWS 128
+/* Steps of at least this many rows are prompt chunks, with any decodes beside them (the decode crossover times
+ * steps of up to 64). There uint4 weights meet x rounded to int8, not int16, for vpmaddubsw (int4_tile_int8_rows),
+ * and integer_linear's threads take rows, not tiles. */
+#define PROMPT_CHUNK_ROWS 128
 
 int tandem_linear_integer_tile_rows(void)
 {
@@ -263,7 +264,7 @@ int tandem_linear_integer_tile_rows(void)
 
 int tandem_linear_int4_int8_rows(void)
 {
-    return INT4_INT8_ROWS;
+    return PROMPT_CHUNK_ROWS;
 }
 
 /* A tile's float32 sums for rows_m rows (plus the bias) into its first `columns` output columns of y. */
@@ -575,7 +576,7 @@ static int integer_linear(const float *x, int64_t rows, int64_t k_size, const vo
                           int threads)
 {
     int64_t tiles = (n_size + INTEGER_TILE_N - 1) / INTEGER_TILE_N, groups = k_size / INT4_GROUP;
-    int int8_rows = mins && rows >= INT4_INT8_ROWS;
+    int int8_rows = mins && rows >= PROMPT_CHUNK_ROWS;
     /* a row's int16 values take 2 · k_size bytes, its int8 values no more */
     char *area = scratch(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
     if (!area)
@@ -591,13 +592,25 @@ static int integer_linear(const float *x, int64_t rows, int64_t k_size, const vo
                 int8_rows ? quantize_int8(x + at, (int8_t *)xq + INT8_ROW_BYTES * at, x_sums + m * groups + g)
                           : quantize_int16(x + at, INT4_GROUP, (int16_t *)xq + at, x_sums + m * groups + g);
         }
-    /* each thread its own run of tiles, so that they pass over one block of rows after another */
+    /* A few rows: each thread its own run of tiles, so that every weight is read once. A prompt chunk's rows: each
+     * thread its own rows, as schedule(static) gives them to it in the ops before and after, so that a row in and
+     * out stays in the cache of the CPU that makes and reads it (two CPUs may not share one). Either passes over
+     * one block of rows after another. */
+    int split_rows = rows >= PROMPT_CHUNK_ROWS;
 #pragma omp parallel num_threads(threads)
     {
         int team = omp_get_num_threads(), thread = omp_get_thread_num();
-        int64_t first = tiles * thread / team, last = tiles * (thread + 1) / team;
-        for (int64_t block = 0; block < rows; block += INTEGER_ROW_BLOCK) {
-            int64_t block_end = block + INTEGER_ROW_BLOCK < rows ? block + INTEGER_ROW_BLOCK : rows;
+        int64_t first = 0, last = tiles, row_first = 0, row_last = rows;
+        if (split_rows) {
+            int64_t share = rows / team, more = rows % team;
+            row_first = thread * share + (thread < more ? thread : more);
+            row_last = row_first + share + (thread < more);
+        } else {
+            first = tiles * thread / team;
+            last = tiles * (thread + 1) / team;
+        }
+        for (int64_t block = row_first; block < row_last; block += INTEGER_ROW_BLOCK) {
+            int64_t block_end = block + INTEGER_ROW_BLOCK < row_last ? block + INTEGER_ROW_BLOCK : row_last;
             for (int64_t t = first; t < last; t++) {
                 int64_t n = t * INTEGER_TILE_N;
                 int columns = n_size - n < INTEGER_TILE_N ? (int)(n_size - n) : INTEGER_TILE_N;
