@@ -225,8 +225,8 @@ static void *scratch(size_t bytes)
     return area->memory;
 }
 
-/* Weights in integers, multiplied in integers: the rows of x are rounded to int16 in each group of INT4_GROUP columns
- * (their scale the group's largest magnitude over 32767), and a group's products summed in int32 by vpmaddwd
+/* Weights in integers, multiplied in integers: the rows of x are rounded to int16 in each group of INTEGER_ROW_GROUP
+ * columns (their scale the group's largest magnitude over 32767), and a group's products summed in int32 by vpmaddwd
  * (vpdpwssd in the AVX-512 builds), which multiplies twice as many pairs a cycle as FMA multiplies floats, with no
  * weight to widen to float32 and scale first, so that a step of several rows is not bound by arithmetic where
  * float32 would be. The weights are in tiles of INTEGER_TILE_N weight rows (two vectors of output columns in AVX2,
@@ -240,9 +240,9 @@ static void *scratch(size_t bytes)
  *   PROMPT_CHUNK_ROWS rows or more (prompt chunks) round x to int8 for vpmaddubsw (vpdpbusd), twice as many pairs
  *   again.
  * - int8 weights (tandem_linear with `scales` alone): a float16 scale per `group` columns (a multiple of
- *   INT4_GROUP). 32 bytes per 2 columns of x, [tiles][k_size / 2][INTEGER_TILE_N][2]: widened to int16, a vector
+ *   INTEGER_ROW_GROUP). 32 bytes per 2 columns of x, [tiles][k_size / 2][INTEGER_TILE_N][2]: widened to int16, a vector
  *   of 16 (AVX2: 8) output columns' pairs meets a broadcast pair of x's int16 values. */
-#define INT4_GROUP 32
+#define INTEGER_ROW_GROUP 32
 #define INTEGER_TILE_N 16
 /* rows of x against a tile at once: in AVX2, 8 int32 sums, 4 weight and 2 x vectors in registers; in the VNNI
  * builds, 16 int32 sums and 8 float32 ones among the 32 vector registers */
@@ -342,7 +342,7 @@ static inline __attribute__((always_inline)) void integer_tile(
     int columns)
 {
     const __m512i nibble = _mm512_set1_epi16(0x0F);
-    const int64_t groups = k_size / INT4_GROUP;
+    const int64_t groups = k_size / INTEGER_ROW_GROUP;
     const int vectors = uint4 ? 2 : 1, chains = rows_m > 4 ? 2 : 4;
     __m512 acc[INTEGER_ROWS];
     for (int m = 0; m < rows_m; m++)
@@ -352,7 +352,7 @@ static inline __attribute__((always_inline)) void integer_tile(
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = sums[m][2] = sums[m][3] = _mm512_setzero_si512();
 #pragma GCC unroll 16 /* so that every sum is a register */
-        for (int step = 0; step < INT4_GROUP / (2 * vectors); step++, w += 32) {
+        for (int step = 0; step < INTEGER_ROW_GROUP / (2 * vectors); step++, w += 32) {
             if (step % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
             __m256i bytes = _mm256_loadu_si256((const __m256i *)w);
@@ -368,7 +368,7 @@ static inline __attribute__((always_inline)) void integer_tile(
                 for (int v = 0; v < vectors; v++) {
                     int pair = step * vectors + v;
                     int32_t two;
-                    memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * pair, 4);
+                    memcpy(&two, xq + m * k_size + g * INTEGER_ROW_GROUP + 2 * pair, 4);
                     __m512i *sum = &sums[m][pair % chains];
                     *sum = _mm512_dpwssd_epi32(*sum, weights[v], _mm512_set1_epi32(two));
                 }
@@ -377,7 +377,7 @@ static inline __attribute__((always_inline)) void integer_tile(
         for (int m = 0; m < rows_m; m++)
             totals[m] = _mm512_add_epi32(_mm512_add_epi32(sums[m][0], sums[m][1]),
                                          _mm512_add_epi32(sums[m][2], sums[m][3]));
-        accumulate_integer_group16(acc, totals, scales + g * INT4_GROUP / group * INTEGER_TILE_N,
+        accumulate_integer_group16(acc, totals, scales + g * INTEGER_ROW_GROUP / group * INTEGER_TILE_N,
                                    uint4 ? mins + g * INTEGER_TILE_N : NULL, g, x_scales, x_sums, groups, rows_m);
     }
     store_integer_tile16(acc, bias, y, ldy, rows_m, columns);
@@ -389,7 +389,7 @@ static inline __attribute__((always_inline)) void integer_tile(
     int columns)
 {
     const __m256i nibble = _mm256_set1_epi16(0x0F);
-    const int64_t groups = k_size / INT4_GROUP;
+    const int64_t groups = k_size / INTEGER_ROW_GROUP;
     const int vectors = uint4 ? 2 : 1;
     __m256 acc[INTEGER_ROWS][2];
     for (int m = 0; m < rows_m; m++)
@@ -398,7 +398,7 @@ static inline __attribute__((always_inline)) void integer_tile(
         __m256i sums[INTEGER_ROWS][2];
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = _mm256_setzero_si256();
-        for (int step = 0; step < INT4_GROUP / (2 * vectors); step++, w += 32) {
+        for (int step = 0; step < INTEGER_ROW_GROUP / (2 * vectors); step++, w += 32) {
             if (step % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
             __m256i weights[2][2]; /* [vector][output columns 0-7, 8-15] */
@@ -415,13 +415,13 @@ static inline __attribute__((always_inline)) void integer_tile(
             for (int m = 0; m < rows_m; m++)
                 for (int v = 0; v < vectors; v++) {
                     int32_t two;
-                    memcpy(&two, xq + m * k_size + g * INT4_GROUP + 2 * (step * vectors + v), 4);
+                    memcpy(&two, xq + m * k_size + g * INTEGER_ROW_GROUP + 2 * (step * vectors + v), 4);
                     __m256i x_pair = _mm256_set1_epi32(two);
                     for (int half = 0; half < 2; half++)
                         sums[m][half] = _mm256_add_epi32(sums[m][half], _mm256_madd_epi16(weights[v][half], x_pair));
                 }
         }
-        accumulate_integer_group(acc, sums, scales + g * INT4_GROUP / group * INTEGER_TILE_N,
+        accumulate_integer_group(acc, sums, scales + g * INTEGER_ROW_GROUP / group * INTEGER_TILE_N,
                                  uint4 ? mins + g * INTEGER_TILE_N : NULL, g, x_scales, x_sums, groups, rows_m);
     }
     store_integer_tile(acc, bias, y, ldy, rows_m, columns);
@@ -447,15 +447,15 @@ static inline void split_nibbles(const uint8_t *w, __m256i *low, __m256i *high)
 #define INT8_ROW_BYTES 2
 #endif
 
-/* x[0, INT4_GROUP) scaled to ±127 and rounded to nearest, into q (INT8_ROW_BYTES · INT4_GROUP bytes); returns the
- * scale, and the rounded values' sum in *sum: a weight is step · q + min, and with the sum of the very values the
- * steps meet, rounding errors of x cost the weights' deviation from their mean, not all of step · q (0.51% of a
- * row's outputs for unit normal x, against 0.70% with x's own sum). */
+/* x[0, INTEGER_ROW_GROUP) scaled to ±127 and rounded to nearest, into q (INT8_ROW_BYTES · INTEGER_ROW_GROUP bytes);
+ * returns the scale, and the rounded values' sum in *sum: a weight is step · q + min, and with the sum of the very
+ * values the steps meet, rounding errors of x cost the weights' deviation from their mean, not all of step · q
+ * (0.51% of a row's outputs for unit normal x, against 0.70% with x's own sum). */
 static inline float quantize_int8(const float *x, int8_t *q, float *sum)
 {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 top = _mm256_setzero_ps();
-    for (int k = 0; k < INT4_GROUP; k += 8)
+    for (int k = 0; k < INTEGER_ROW_GROUP; k += 8)
         top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
     float largest = horizontal_max(top);
     __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
@@ -490,7 +490,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
 {
     /* unpacking the low and high nibbles in 128-bit lanes yields columns 0-3 and 8-11, then 4-7 and 12-15 */
     const __m512i in_column_order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const int64_t groups = k_size / INT4_GROUP;
+    const int64_t groups = k_size / INTEGER_ROW_GROUP;
     __m512 acc[INTEGER_ROWS];
     for (int m = 0; m < rows_m; m++)
         acc[m] = _mm512_setzero_ps();
@@ -499,7 +499,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
         for (int m = 0; m < rows_m; m++)
             sums[m][0] = sums[m][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-        for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
+        for (int quad = 0; quad < INTEGER_ROW_GROUP / 4; quad++, w += 32) {
             if (quad % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
             __m256i low, high;
@@ -509,7 +509,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
                                                         _mm512_castsi256_si512(_mm256_unpackhi_epi16(low, high)));
             for (int m = 0; m < rows_m; m++) {
                 int32_t four;
-                memcpy(&four, xq + m * k_size + g * INT4_GROUP + quad * 4, 4);
+                memcpy(&four, xq + m * k_size + g * INTEGER_ROW_GROUP + quad * 4, 4);
                 sums[m][quad % 2] = _mm512_dpbusd_epi32(sums[m][quad % 2], weights, _mm512_set1_epi32(four));
             }
         }
@@ -531,7 +531,7 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
     const uint16_t *scales, const uint16_t *mins, const float *bias, float *y, int64_t ldy, int rows_m, int columns)
 {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int64_t groups = k_size / INT4_GROUP;
+    const int64_t groups = k_size / INTEGER_ROW_GROUP;
     __m256 acc[INTEGER_ROWS][2];
     for (int m = 0; m < rows_m; m++)
         acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -539,13 +539,13 @@ static inline __attribute__((always_inline)) void int4_tile_int8_rows(
         __m256i low_sums[INTEGER_ROWS], high_sums[INTEGER_ROWS];
         for (int m = 0; m < rows_m; m++)
             low_sums[m] = high_sums[m] = _mm256_setzero_si256();
-        for (int quad = 0; quad < INT4_GROUP / 4; quad++, w += 32) {
+        for (int quad = 0; quad < INTEGER_ROW_GROUP / 4; quad++, w += 32) {
             if (quad % 2 == 0)
                 _mm_prefetch((const char *)w + PREFETCH_BYTES_ONE_ROW, _MM_HINT_T0);
             __m256i low, high;
             split_nibbles(w, &low, &high);
             for (int m = 0; m < rows_m; m++) {
-                const int8_t *xm = xq + 2 * (m * k_size + g * INT4_GROUP + quad * 4);
+                const int8_t *xm = xq + 2 * (m * k_size + g * INTEGER_ROW_GROUP + quad * 4);
                 int32_t pair_low, pair_high;
                 memcpy(&pair_low, xm, 4);
                 memcpy(&pair_high, xm + 4, 4);
@@ -575,7 +575,7 @@ static int integer_linear(const float *x, int64_t rows, int64_t k_size, const vo
                           const uint16_t *mins, int64_t group, int64_t n_size, const float *bias, float *y,
                           int threads)
 {
-    int64_t tiles = (n_size + INTEGER_TILE_N - 1) / INTEGER_TILE_N, groups = k_size / INT4_GROUP;
+    int64_t tiles = (n_size + INTEGER_TILE_N - 1) / INTEGER_TILE_N, groups = k_size / INTEGER_ROW_GROUP;
     int int8_rows = mins && rows >= PROMPT_CHUNK_ROWS;
     /* a row's int16 values take 2 · k_size bytes, its int8 values no more */
     char *area = scratch(rows * (k_size * sizeof(int16_t) + 2 * groups * sizeof(float)));
@@ -587,10 +587,10 @@ static int integer_linear(const float *x, int64_t rows, int64_t k_size, const vo
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > INTEGER_ROWS)
     for (int64_t m = 0; m < rows; m++)
         for (int64_t g = 0; g < groups; g++) {
-            int64_t at = m * k_size + g * INT4_GROUP;
+            int64_t at = m * k_size + g * INTEGER_ROW_GROUP;
             x_scales[m * groups + g] =
                 int8_rows ? quantize_int8(x + at, (int8_t *)xq + INT8_ROW_BYTES * at, x_sums + m * groups + g)
-                          : quantize_int16(x + at, INT4_GROUP, (int16_t *)xq + at, x_sums + m * groups + g);
+                          : quantize_int16(x + at, INTEGER_ROW_GROUP, (int16_t *)xq + at, x_sums + m * groups + g);
         }
     /* A few rows: each thread its own run of tiles, so that every weight is read once. A prompt chunk's rows: each
      * thread its own rows, as schedule(static) gives them to it in the ops before and after, so that a row in and
@@ -626,8 +626,8 @@ static int integer_linear(const float *x, int64_t rows, int64_t k_size, const vo
             int4_tile_int8_rows((int8_t *)xq + INT8_ROW_BYTES * m * k_size, x_scales + m * groups,                 \
                                 x_sums + m * groups, k_size, wt, st, mt, bt, out, n_size, count, columns);         \
         else if (mins)                                                                                             \
-            integer_tile(rows16, x_scales + m * groups, x_sums + m * groups, k_size, wt, 1, st, INT4_GROUP, mt,    \
-                         bt, out, n_size, count, columns);                                                         \
+            integer_tile(rows16, x_scales + m * groups, x_sums + m * groups, k_size, wt, 1, st, INTEGER_ROW_GROUP,  \
+                         mt, bt, out, n_size, count, columns);                                                     \
         else                                                                                                       \
             integer_tile(rows16, x_scales + m * groups, NULL, k_size, wt, 0, st, group, NULL, bt, out, n_size,     \
                          count, columns);                                                                          \
@@ -1489,8 +1489,8 @@ int tandem_prefill_attention(const float *q_rows, int64_t q_stride, const float 
 #endif
 
 /* x [rows, k_size] float32, w packed as above from [n_size, k_size] weights: float16 bits where scales is NULL
- * (k_size a multiple of CHUNK); else int8 (k_size a multiple of INT4_GROUP) with a float16 scale per `group`
- * columns (a multiple of INT4_GROUP dividing k_size; 0 for a whole row), or uint4 with mins, in the layouts of
+ * (k_size a multiple of CHUNK); else int8 (k_size a multiple of INTEGER_ROW_GROUP) with a float16 scale per `group`
+ * columns (a multiple of INTEGER_ROW_GROUP dividing k_size; 0 for a whole row), or uint4 with mins, in the layouts of
  * integer_linear (of amx_linear for int8 in the AMX build); bias [n_size] float32 or NULL, y [rows, n_size]
  * float32; all contiguous. Returns -2 where it cannot allocate its working memory. */
 int tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, const uint16_t *scales,
@@ -1505,8 +1505,8 @@ int tandem_linear(const float *x, int64_t rows, int64_t k_size, const void *w, c
     }
 #endif
     if (scales)
-        return integer_linear(x, rows, k_size, w, scales, mins, mins ? INT4_GROUP : group ? group : k_size, n_size,
-                              bias, y, threads);
+        return integer_linear(x, rows, k_size, w, scales, mins, mins ? INTEGER_ROW_GROUP : group ? group : k_size,
+                              n_size, bias, y, threads);
     int64_t tiles = (n_size + TILE_N - 1) / TILE_N;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tiles; t++)
