@@ -55,8 +55,8 @@ CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 # per 64 columns passes with less margin; `make bench-weights` times all three alike.
 INT8_GROUP = 32
 UINT4_GROUP = 32  # columns of a row that share a uint4 step and minimum (Q4_1's groups)
-# Columns of a row of x the kernels round to integers with one scale (as in cpu_kernels.c; the AMX
-# layout's depth too): an int8 weight's rows and scale groups are a multiple of it.
+# Columns of a row of x the kernels round to integers with one scale (INTEGER_ROW_GROUP in cpu_kernels.c too; the
+# AMX layout's depth): an int8 weight's rows and scale groups are a multiple of it.
 INTEGER_ROW_GROUP = 32
 UINT4_SAMPLE_GROUPS = 4096  # groups of a weight checked first, so that one off the grid (an int8 head) fails fast
 # Builds of the same source, widest first: each needs these CPU flags beyond CPU_FLAGS, and compiles with
