@@ -16,7 +16,7 @@ from tandem.engine.config import CacheConfig, SchedulerConfig
 from tandem.engine.model import cpu_kernels
 from tandem.engine.model.cpu_kernels import INT8_GROUP
 from tandem.engine.model.factory import build_engine
-from tandem.engine.model.llama import PackedLinear
+from tandem.engine.model.llama import MLP_PRODUCT_BYTES, PackedLinear
 from tandem.engine.model.runner import native_bfloat16
 from tests.engine import emulated_kernels
 from tests.engine.helpers import greedy_request, random_prompt, run_to_completion, skip_without_native_bfloat16
@@ -272,6 +272,28 @@ def test_bfloat16_batched_weights_serve_steps_of_many_rows_and_leave_few_rows_to
     torch.testing.assert_close(output, linear(many), rtol=2e-2, atol=2e-2)  # bfloat16's 8-bit mantissa
     torch.testing.assert_close(packed(few), PackedLinear(linear, kernels, torch.int8, decode_rows=8)(few),
                                rtol=0, atol=0)
+
+
+@torch.inference_mode()
+def test_a_long_chunk_passes_the_decode_copys_mlp_in_blocks_and_gets_what_one_pass_gives(tiny_llama):
+    model = build_engine(str(tiny_llama), "cpu", "float32", cache=CacheConfig(num_kv_blocks=16), calibrate=False,
+                         decode_weights="int8").executor.model
+    mlp = model.layers[0].mlp
+    product_bytes = 2 * mlp.intermediate_size * 4  # a row's float32 gate and up products
+    assert product_bytes * mlp.copy_block_rows <= MLP_PRODUCT_BYTES < 2 * product_bytes * mlp.copy_block_rows
+    torch.manual_seed(0)
+    x = torch.randn(40, model.config.hidden_size)
+    model.prompt_rows = 64
+    whole = mlp(x)
+    passes = []
+    mlp.down_proj.register_forward_hook(lambda module, args, out: passes.append(len(args[0])))
+    mlp.copy_block_rows = 16
+    torch.testing.assert_close(mlp(x), whole, rtol=1e-6, atol=1e-6)
+    assert passes == [16, 16, 8]
+    model.decode_rows = model.prompt_rows = 0
+    passes.clear()
+    mlp(x)
+    assert passes == [40]  # the batched weights take the chunk in one pass
 
 
 def skip_without_bfloat16_tiles(kernels):

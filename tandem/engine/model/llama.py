@@ -19,6 +19,10 @@ from torch import nn
 from tandem.engine.model.cpu_kernels import BlockTables, CpuKernels, DecodeLayers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# The most bytes of float32 gate and up products a CPU step makes at once through the decode copy: glibc's malloc
+# keeps freed memory for the next allocation up to 32 MiB, and maps a larger one afresh and faults it in a page
+# at a time, at every layer.
+MLP_PRODUCT_BYTES = 32 << 20
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -193,9 +197,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.cpu_kernels: CpuKernels | None = None
+        # the rows of a long prompt chunk that pass the decode copy at once: a power of two, as its kernels' blocks
+        fitting_rows = max(1, MLP_PRODUCT_BYTES // (2 * config.intermediate_size * 4))
+        self.copy_block_rows = 1 << fitting_rows.bit_length() - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernels is not None:
+            if len(x) > self.copy_block_rows and self.gate_up_proj.reads_copy(len(x)):
+                return torch.cat([self(block) for block in x.split(self.copy_block_rows)])
             return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.cpu_kernels))
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -467,10 +476,14 @@ class PackedLinear(nn.Module):
             return self._in_tiles(x, torch.bfloat16)
         return kernels.silu_and_mul(self.product(x))
 
+    def reads_copy(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows multiplies the decode copy of the weight."""
+        return self.decode_kernels is not None and rows <= self.decode_rows
+
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias``: in bfloat16 where the step multiplies bfloat16 batched weights (in AMX tiles, or
         without a bias), else in float32. ``x`` may be bfloat16 there too."""
-        if self.decode_kernels is not None and x.shape[0] <= self.decode_rows:
+        if self.reads_copy(x.shape[0]):
             return self.decode_kernels.linear(x, self.decode_weight, self.bias)
         if self.tiled_weight is not None:
             if self.gated_tiles:
