@@ -11,8 +11,8 @@ It reports the most rows at which the default decode copy beats packed fp32.
 Then whole decode steps of the default model: 1 to 64 rows on its default decode copy through the one-call
 kernel against the same step layer by layer on each kind of batched weights (float32, and bfloat16 where
 the CPU multiplies it), and the crossover a worker uses here (``tandem/engine/model/crossover.py``); where
-the copy may win prompt chunks too (``crossover.copy_may_win_prompts``), one layer's linears over chunks of 128 to
-4096 rows on both, and ``prompt_rows``.
+the copy may win prompt chunks too (``crossover.copy_may_win_prompts``), chunks of 128 to 4096 rows through one
+whole decoder layer on both, and ``prompt_rows``.
 Writes bench/results/weights.json.
 """
 
@@ -117,8 +117,8 @@ def batched_weights() -> list[str]:
 
 def whole_decode_steps(batched: str) -> dict:
     """Step times of the default model on both paths at every size the crossover considers, and the rows up to
-    which a worker here reads the decode copy (as recorded, or measured now); where the copy wins every decode
-    step, one layer's linears over prompt chunks on both paths, and the rows up to which chunks read it."""
+    which a worker here reads the decode copy (as recorded, or measured now); where the copy may win prompt
+    chunks, one decoder layer over them on both paths, and the rows up to which chunks read it."""
     runner = ModelRunner(resolve_model(None), batched_weights=batched,
                          cache=CacheConfig(num_kv_blocks=max(crossover.LADDER)))
     copy = runner.decode_weights
@@ -132,9 +132,9 @@ def whole_decode_steps(batched: str) -> dict:
     prompt_ms = {}
     if crossover.copy_may_win_prompts(runner.model.decode_rows, copy):
         for rows in crossover.PROMPT_LADDER:
-            decode_copy_s, batched_s = crossover.step_seconds(runner.prompt_linears, rows)
+            decode_copy_s, batched_s = crossover.step_seconds(runner.prompt_layer, rows)
             prompt_ms[rows] = {copy: decode_copy_s * 1000, batched: batched_s * 1000}
-            print(f"one layer's linears over a prompt chunk of {rows} rows: {copy} decode copy "
+            print(f"a prompt chunk of {rows} rows through one decoder layer: {copy} decode copy "
                   f"{decode_copy_s * 1000:.1f} ms, {batched} batched weights {batched_s * 1000:.1f} ms", flush=True)
         print(f"prompt chunks of up to {runner.model.prompt_rows} rows read the decode copy here")
     return {"ms_per_step": ms, "decode_rows": runner.model.decode_rows, "ms_per_prompt_layer": prompt_ms,

@@ -57,15 +57,15 @@ def test_prompt_chunks_climb_a_ladder_of_their_own_recorded_beside_the_decode_st
     assert rows == 256 and {size for size, _ in timed} == set(crossover.PROMPT_LADDER)
     crossover.measured_decode_rows({"cpu": "a"}, sleeping_steps(2, 20, []), max_rows=64)
     recorded = json.loads((home / "kernels" / "decode-rows.json").read_text())
-    assert recorded == {json.dumps({"cpu": "a", "path": "prompt linears"}): 256, json.dumps({"cpu": "a"}): 8}
+    assert recorded == {json.dumps({"cpu": "a", "path": "prompt layer"}): 256, json.dumps({"cpu": "a"}): 8}
 
 
 def test_one_prompt_chunk_size_lost_by_a_little_does_not_stop_the_copy_at_the_sizes_it_wins(home):
-    def linears(rows: int, decode_copy: bool) -> None:
+    def layer(rows: int, decode_copy: bool) -> None:
         per_row_ms = 0.011 if rows == 256 else 0.008  # the copy loses at 256 rows alone, against 0.01 ms a row
         time.sleep(rows * (per_row_ms if decode_copy else 0.01) / 1000)
 
-    assert crossover.measured_prompt_rows({"cpu": "a"}, linears) == crossover.PROMPT_LADDER[-1]
+    assert crossover.measured_prompt_rows({"cpu": "a"}, layer) == crossover.PROMPT_LADDER[-1]
 
 
 def test_the_ladder_stops_at_the_rows_the_cache_can_hold(home):
@@ -96,8 +96,8 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
                 for key, rows in json.loads((home / "kernels" / "decode-rows.json").read_text()).items()}
     assert recorded["decode steps"] == first.model.decode_rows
     # prompt chunks of an int8 copy are timed only where it won every decode step
-    assert recorded.get("prompt linears", 0) == first.model.prompt_rows
-    assert ("prompt linears" in recorded) == (first.model.decode_rows == crossover.LADDER[-1])
+    assert recorded.get("prompt layer", 0) == first.model.prompt_rows
+    assert ("prompt layer" in recorded) == (first.model.decode_rows == crossover.LADDER[-1])
     assert first.model.prompt_rows in (0, *crossover.PROMPT_LADDER)
 
     def untimed(*args):
@@ -108,6 +108,23 @@ def test_a_runner_with_a_decode_copy_times_real_steps_once_and_the_next_runner_r
     without_copy = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=64),
                                 calibrate=False, decode_weights="float32").executor
     assert without_copy.model.decode_rows == 0  # nothing to time: every step reads the float32 weights
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),
+                    reason="needs the CPU kernels and oneDNN")
+def test_a_timed_prompt_chunk_runs_a_whole_layer_on_a_scratch_cache_and_leaves_the_runners_alone(tiny_model, home):
+    runner = build_engine(str(tiny_model), "cpu", "float32", cache=CacheConfig(num_kv_blocks=4), calibrate=False,
+                          decode_weights="int8").executor
+    chosen, k_cache, v_cache = runner.model.prompt_rows, runner.k_cache.clone(), runner.v_cache.clone()
+    linears = []
+    for linear in (runner.model.layers[0].self_attn.qkv_proj, runner.model.layers[0].mlp.down_proj):
+        linear.register_forward_hook(lambda module, args, out: linears.append(module.decode_rows >= len(args[0])))
+    rows = 4 * runner.block_size + 1  # more than the runner's cache holds
+    runner.prompt_layer(rows, True)
+    runner.prompt_layer(rows, False)
+    assert linears == [True, True, False, False]  # the decode copy, then the batched weights
+    assert runner.model.prompt_rows == chosen
+    assert torch.equal(runner.k_cache, k_cache) and torch.equal(runner.v_cache, v_cache)
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None or not torch.backends.mkldnn.is_available(),

@@ -10,8 +10,9 @@ threads, so it is timed on whole decode steps, once for each such combination on
 A copy that wins every step size up to the largest decode step may win on prompt chunks too, and so may uint4
 weights wherever they are the copy: a chunk's rows, rounded to int8, multiply them in integers (with AVX512-VNNI,
 four products an instruction), which beats float32 weights everywhere and bfloat16 ones on some CPUs. How far, in
-rows, is timed on one decoder layer's linears (a chunk's attention is the same on either path) and kept in the
-same file.
+rows, is timed on a prompt chunk through one whole decoder layer, not its linears alone: the copy takes float32
+rows, which cost more to make, move and attend than the bfloat16 ones beside bfloat16 batched weights, the more
+so the longer the chunk. The figure is kept in the same file.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def measured_decode_rows(combination: dict, time_step: Callable[[int, bool], Non
     return _measured(combination, lambda: _decode_crossover(time_step, max_rows))
 
 
-def measured_prompt_rows(combination: dict, time_linears: Callable[[int, bool], None]) -> int:
+def measured_prompt_rows(combination: dict, time_layer: Callable[[int, bool], None]) -> int:
     """The most rows on ``PROMPT_LADDER`` up to which the decode copy's times, summed over the ladder, stay
     below the batched weights' (0 where it loses at the first size), recorded beside the decode steps'
-    figure: ``time_linears(rows, decode_copy)`` multiplies ``rows`` rows by one decoder layer's linears on
-    either path. Both paths cost about the same per row at every chunk size, so the sum decides on all the
+    figure: ``time_layer(rows, decode_copy)`` runs a prompt chunk of ``rows`` tokens through one decoder layer
+    on either path. Both paths cost about the same per row at nearby chunk sizes, so the sum decides on all the
     ladder's timings at once, not on the first that a stall of the host turned."""
-    return _measured({**combination, "path": "prompt linears"}, lambda: _prompt_crossover(time_linears))
+    return _measured({**combination, "path": "prompt layer"}, lambda: _prompt_crossover(time_layer))
 
 
 def copy_may_win_prompts(decode_rows: int, decode_weights: str) -> bool:
@@ -88,10 +89,10 @@ def _decode_crossover(time_step: Callable[[int, bool], None], max_rows: int) -> 
     return rows
 
 
-def _prompt_crossover(time_linears: Callable[[int, bool], None]) -> int:
+def _prompt_crossover(time_layer: Callable[[int, bool], None]) -> int:
     rows, decode_copy_total, batched_total = 0, 0.0, 0.0
     for size in PROMPT_LADDER:
-        decode_copy_s, batched_s = step_seconds(time_linears, size)
+        decode_copy_s, batched_s = step_seconds(time_layer, size)
         decode_copy_total, batched_total = decode_copy_total + decode_copy_s, batched_total + batched_s
         if decode_copy_total <= batched_total:
             rows = size

@@ -280,13 +280,17 @@ class CausalLM(nn.Module):
             else:
                 cos = cos_table.index_select(0, positions).unsqueeze(1)
                 sin = sin_table.index_select(0, positions).unsqueeze(1)
-            # Rows that the batched bfloat16 weights multiply are rounded to bfloat16 where they are made.
-            activations = self._batched_activations if len(input_ids) > self._layer_copy.rows else None
+            activations = self.layer_activations(len(input_ids))
             for index, layer in enumerate(self.layers):
                 x, residual = layer(x, residual, positions, cos, sin, k_cache[index], v_cache[index], meta,
                                     activations)
         hidden = (x + residual).index_select(0, logits_indices)
         return self.lm_head(self.norm(hidden)[0])
+
+    def layer_activations(self, num_tokens: int) -> torch.dtype | None:
+        """The dtype the decoder layers make a step's rows in, where not the model's: bfloat16 where the step's
+        linears multiply bfloat16 batched weights, so that each row is rounded where it is made."""
+        return self._batched_activations if num_tokens > self._layer_copy.rows else None
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face checkpoint's tensors, fusing q/k/v and gate/up projections."""

@@ -139,7 +139,7 @@ class ModelRunner:
             combination = self._crossover_combination(kernels)
             self.model.decode_rows = crossover.measured_decode_rows(combination, self.decode_step, self.num_kv_blocks)
             if crossover.copy_may_win_prompts(self.model.decode_rows, self.decode_weights):
-                self.model.prompt_rows = crossover.measured_prompt_rows(combination, self.prompt_linears)
+                self.model.prompt_rows = crossover.measured_prompt_rows(combination, self.prompt_layer)
         logger.info("model %s on %s (%s, %s weights for steps of up to %d rows and prompt chunks of up to %d, %s "
                     "for larger ones): %d KV blocks of %d tokens", model_dir, self.device, self.dtype,
                     self.decode_weights, self.model.decode_rows, self.model.prompt_rows, self.batched_dtype,
@@ -172,20 +172,20 @@ class ModelRunner:
             self.model.decode_rows, self.model.prompt_rows = chosen
 
     @torch.inference_mode()
-    def prompt_linears(self, rows: int, decode_copy: bool) -> None:
-        """``rows`` rows through the first decoder layer's linears, on the decode copy of the weights or on the
-        batched ones, as a prompt chunk of ``rows`` tokens passes them: the batched weights take rows made in their
-        own dtype (bfloat16 ones bfloat16 rows), the copy float32 ones."""
+    def prompt_layer(self, rows: int, decode_copy: bool) -> None:
+        """A prompt chunk of ``rows`` tokens, with no cached prefix, through the first decoder layer: its norms,
+        linears (on the decode copy of the weights or on the batched ones), activation, and attention over a scratch
+        cache of its own, as the chunk's step runs them. Every token takes position 0: the time does not depend on
+        it."""
         chosen, self.model.prompt_rows = self.model.prompt_rows, rows if decode_copy else 0
-        layer, config = self.model.layers[0], self.config
-        dtype = torch.float32 if decode_copy else self.batched_dtype
+        keys, values = (torch.empty(rows, self.num_kv_heads, self.head_dim, dtype=self.dtype) for _ in range(2))
+        meta = AttentionMetadata(slot_mapping=torch.arange(rows), num_decodes=0, decode_slots=None, decode_mask=None,
+                                 prefills=[PrefillChunk(token_start=0, num_tokens=rows, context_slots=None, mask=None)])
         # constant rows: the values do not change the time, and drawing random ones would be timed beside them
-        hidden = torch.ones(rows, config.hidden_size, dtype=dtype)
-        heads = torch.ones(rows, layer.self_attn.split[0], dtype=dtype)
+        hidden = torch.ones(rows, self.config.hidden_size, dtype=self.dtype)
         try:
-            layer.self_attn.qkv_proj(hidden)
-            layer.self_attn.o_proj(heads)
-            layer.mlp.down_proj(layer.mlp.gate_up_proj.silu_and_mul(hidden, self.model.cpu_kernels))
+            self.model.layers[0](hidden, None, torch.zeros(rows, dtype=torch.long), self.cos_table, self.sin_table,
+                                 keys, values, meta, self.model.layer_activations(rows))
         finally:
             self.model.prompt_rows = chosen
 
