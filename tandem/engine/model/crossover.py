@@ -10,9 +10,9 @@ threads, so it is timed on whole decode steps, once for each such combination on
 A copy that wins every step size up to the largest decode step may win on prompt chunks too, and so may uint4
 weights wherever they are the copy: a chunk's rows, rounded to int8, multiply them in integers (with AVX512-VNNI,
 four products an instruction), which beats float32 weights everywhere and bfloat16 ones on some CPUs. How far, in
-rows, is timed on a prompt chunk through one whole decoder layer, not its linears alone: the copy takes float32
-rows, which cost more to make, move and attend than the bfloat16 ones beside bfloat16 batched weights, the more
-so the longer the chunk. The figure is kept in the same file.
+rows, is timed on a prompt chunk through one whole decoder layer, not its linears alone, so that what the rows
+around them cost counts too: float32 on the copy's path, bfloat16 beside bfloat16 batched weights. The figure is
+kept in the same file.
 """
 
 from __future__ import annotations
