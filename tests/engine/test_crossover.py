@@ -118,7 +118,7 @@ def test_a_timed_prompt_chunk_runs_a_whole_layer_on_a_scratch_cache_and_leaves_t
     chosen, k_cache, v_cache = runner.model.prompt_rows, runner.k_cache.clone(), runner.v_cache.clone()
     linears = []
     for linear in (runner.model.layers[0].self_attn.qkv_proj, runner.model.layers[0].mlp.down_proj):
-        linear.register_forward_hook(lambda module, args, out: linears.append(module.decode_rows >= len(args[0])))
+        linear.register_forward_hook(lambda module, args, out: linears.append(module.reads_copy(len(args[0]))))
     rows = 4 * runner.block_size + 1  # more than the runner's cache holds
     runner.prompt_layer(rows, True)
     runner.prompt_layer(rows, False)
