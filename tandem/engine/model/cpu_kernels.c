@@ -1655,7 +1655,7 @@ typedef struct {
  * one; its score is masked), each prefetched into L2: they are read a group later, so the loads of one
  * group overlap the arithmetic of the one before. A group is 128 cache lines of a 64-column head, more
  * misses than L1 keeps in flight: prefetched into L1, they stalled the loads, and one sequence's attention
- * ran 1.7x slower. */
+ * ran 1.4x slower (bench/kernels_ab.py). */
 static void gather_rows(position_cursor *cursor, int count, const float *k_cache, const float *v_cache,
                         int64_t block_size, int64_t kv_stride, int64_t kv_head, int64_t head_dim,
                         const float *keys[KEYS], const float *values[KEYS])
